@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+`UserError` is bad input: a config key, a file, a model directory. The CLI prints its message
+once and exits with code 2. Every message names where the problem is (file:line or the config
+key), the bad value, and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+class UserError(Exception):
+    """Bad input. The CLI prints it and exits with code 2; nothing has been written."""
+
+    exit_code = 2
+
+
+def closest(word: str, choices) -> str:
+    """A ' Did you mean X?' suffix, or '' when nothing is close."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {match[0]!r}?" if match else ""

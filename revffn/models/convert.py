@@ -1,0 +1,281 @@
+"""Convert an HF MoE causal LM into a RevFFN reversible model.
+
+Every decoder layer becomes an `HFRevBlock` on two half-width streams (X_1, X_2), d/2 wide:
+
+    F(X_2) = P_down_attn( SelfAttention( input_layernorm( P_up_attn(X_2) ) ) )
+    G(Y_1) = P_down_moe( MoE( post_attention_layernorm( P_up_moe(Y_1) ) ) )
+
+The pretrained norms, attention (RoPE, causal and padding masks) and MoE block (router, experts,
+shared expert) run unchanged at full width d. Only the projection adapters P_up (d/2 -> d) and
+P_down (d -> d/2) are new. The HF decoder layer stays reachable as `block.base_layer` (as PEFT
+keeps `base_layer`), in place inside the HF model, so its parameter names only gain `base_layer.`.
+
+The embedding output is split along features into X_1, X_2; at the end concat(Y_1, Y_2) feeds
+the pretrained final norm and LM head.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import masking_utils
+
+from revffn.errors import UserError
+from revffn.models.loss import causal_lm_loss
+from revffn.models.spec import ArchSpec, get_path, spec_for
+from revffn.reversible.coupling import RevBlock, StackContext, SwitchAux, run_stack
+from revffn.reversible.replay import AutocastState, RouterTap
+
+ADAPTER_INITS = ("coordinate", "zero", "random")
+ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
+
+
+def init_adapters(block: HFRevBlock, how: str) -> None:
+    """Initialise the four projection adapters of a block.
+
+    - ``coordinate`` (default): keep each stream in the pretrained model's coordinates. X_2 holds
+      features d/2..d of the embedding, so P_up_attn writes X_2 back into those coordinates of the
+      d-wide input (zeros elsewhere); F's output is added to X_1, so P_down_attn reads the first
+      d/2 coordinates of the attention output, exactly the ones the pretrained residual would have
+      added to them. Likewise P_up_moe places Y_1 at coordinates 0..d/2 and P_down_moe reads
+      d/2..d. concat(Y_1, Y_2) therefore stays in the basis the final norm and LM head were trained
+      on, every sub-block sees real (if half-masked) features, and the RMSNorm removes the scale
+      lost to the zeros. The converted model starts as a "half-information" copy of the
+      pretrained one rather than from noise.
+    - ``zero``: P_up as in ``coordinate``, P_down = 0, so F = G = 0 and the model is exactly the
+      pretrained embedding -> final norm -> head at step 0 (the zero-init-residual recipe; like
+      LoRA's B = 0). Safe, but it throws the layers away until P_down learns.
+    - ``random``: Kaiming-uniform P_up and P_down (nn.Linear's default), scaled by 1/sqrt(2L)
+      on P_down so the residual streams do not grow with depth. For ablation.
+    """
+    d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
+    with torch.no_grad():
+        for p in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
+            p.weight.zero_()
+        if how in ("coordinate", "zero"):
+            eye = torch.eye(h, dtype=block.p_up_attn.weight.dtype, device=block.p_up_attn.weight.device)
+            block.p_up_attn.weight[h:d] = eye  # X_2 -> its own coordinates d/2..d
+            block.p_up_moe.weight[:h] = eye  # Y_1 -> its own coordinates 0..d/2
+            if how == "coordinate":
+                block.p_down_attn.weight[:, :h] = eye  # attention output 0..d/2 -> X_1
+                block.p_down_moe.weight[:, h:d] = eye  # MoE output d/2..d -> X_2
+        elif how == "random":
+            for p in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
+                nn.init.kaiming_uniform_(p.weight, a=math.sqrt(5))
+            scale = 1.0 / math.sqrt(2 * max(block.num_layers, 1))
+            block.p_down_attn.weight.mul_(scale)
+            block.p_down_moe.weight.mul_(scale)
+        else:
+            raise UserError(f"unknown adapter init {how!r}. Fix: revffn.adapter_init must be one of "
+                            f"{', '.join(ADAPTER_INITS)}.")
+
+
+class HFRevBlock(RevBlock):
+    """An HF decoder layer as a reversible block: F = attention branch, G = MoE (or MLP) branch."""
+
+    def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
+                 hidden_size: int, mask_key: str, tap: RouterTap | None):
+        super().__init__()
+        if hidden_size % 2:
+            raise UserError(f"hidden_size={hidden_size} is odd; RevFFN splits it into two equal streams.")
+        self.base_layer = base_layer
+        self.spec = spec
+        self.layer_idx, self.num_layers, self.mask_key = layer_idx, num_layers, mask_key
+        self.router_tap = tap
+        ref = next(base_layer.parameters())
+        h, d = hidden_size // 2, hidden_size
+        kw = dict(bias=False, device=ref.device, dtype=ref.dtype)
+        self.p_up_attn, self.p_down_attn = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
+        self.p_up_moe, self.p_down_moe = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
+
+    def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
+        base, spec = self.base_layer, self.spec
+        with sctx.autocast():
+            x = self.p_up_attn(X_2.to(self.p_up_attn.weight.dtype))
+            x = getattr(base, spec.attn_norm)(x)
+            x = getattr(base, spec.attn)(hidden_states=x, position_embeddings=sctx.position_embeddings,
+                                         attention_mask=sctx.masks[self.mask_key])[0]
+            return self.p_down_attn(x).to(X_2.dtype)
+
+    def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
+        base, spec = self.base_layer, self.spec
+        with sctx.autocast():
+            x = self.p_up_moe(Y_1.to(self.p_up_moe.weight.dtype))
+            x = getattr(base, spec.mlp_norm)(x)
+            x = getattr(base, spec.mlp)(x)
+            if isinstance(x, tuple):  # older MoE blocks return (hidden, router_logits)
+                x = x[0]
+            return self.p_down_moe(x).to(Y_1.dtype)
+
+
+@dataclass
+class RevFFNOutput:
+    """What `RevFFNForCausalLM.forward` returns (HF-style attribute access)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    n_tokens: torch.Tensor | None = None
+
+
+def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
+    """Keyword arguments for transformers' mask builders across 5.x signature changes."""
+    params = inspect.signature(fn).parameters
+    kw = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
+    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kw[name] = None
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+    return kw
+
+
+class RevFFNForCausalLM(nn.Module):
+    """A converted model. `reversible=False` switches training to the plain-autograd twin.
+
+    Attributes:
+        hf: the HF model, its decoder layers replaced in place by `HFRevBlock`s.
+        reversible: use the reversible backward when training with grad enabled.
+        stream_dtype: dtype of the residual streams X_1, X_2, Y_1, Y_2 (fp32 by default).
+        aux_loss_coef: weight of the router load-balancing loss (0 disables it).
+    """
+
+    def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
+                 stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None):
+        super().__init__()
+        self.hf, self.spec = hf_model, spec
+        self.reversible = True
+        self.stream_dtype = stream_dtype
+        self.adapter_init = adapter_init
+        config = hf_model.config
+        self.aux_loss_coef = (getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss_coef is None \
+            else aux_loss_coef
+        self.chunk_tokens = 1024
+        self.track_routing_flips = False
+        self.last_stack_stats: dict = {}
+        layers = get_path(hf_model, spec.layers)
+        n_exp = spec.num_experts(config)
+        self.num_experts, self.top_k = n_exp, getattr(config, spec.top_k_key, 0)
+        for i, layer in enumerate(layers):
+            if isinstance(layer, RevBlock):
+                raise UserError("this model is already converted to RevFFN.")
+            router = getattr(getattr(layer, spec.mlp), spec.router, None)
+            tap = RouterTap(router, n_exp, spec.router_logits_index) \
+                if isinstance(router, nn.Module) and n_exp else None
+            block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap)
+            init_adapters(block, adapter_init)
+            layers[i] = block
+        self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in hf_model.modules()) or any(
+            (getattr(config, k, 0) or 0) > 0 for k in spec.rng_config_keys
+        )
+
+    # -- structure ------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return get_path(self.hf, self.spec.layers)
+
+    def _mask_key(self, i: int) -> str:
+        config = self.hf.config
+        types = getattr(config, "layer_types", None)
+        if types:
+            return types[i]
+        if self.spec.sliding_window_all_layers and getattr(config, "sliding_window", None):
+            return "sliding_attention"
+        return "full_attention"
+
+    def routers(self) -> list[nn.Module]:
+        return [b.router_tap.router for b in self.blocks if b.router_tap is not None]
+
+    def router_trainable(self) -> bool:
+        return any(p.requires_grad for r in self.routers() for p in r.parameters())
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _context(self, embeds, attention_mask, position_ids) -> StackContext:
+        config = self.hf.config
+        masks = {}
+        for key in sorted({b.mask_key for b in self.blocks}):
+            fn = masking_utils.create_sliding_window_causal_mask if key == "sliding_attention" \
+                else masking_utils.create_causal_mask
+            masks[key] = fn(**_mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids))
+        position_embeddings = get_path(self.hf, self.spec.rotary)(embeds, position_ids)
+        aux = None
+        if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts:
+            row_mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float32)
+            aux = SwitchAux(self.num_experts, self.top_k, row_mask,
+                            differentiable=self.router_trainable() and torch.is_grad_enabled())
+        return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
+                            needs_rng=self.training and self.has_dropout)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_logits: bool = True, probe=None) -> RevFFNOutput:
+        """Args: input_ids (B, T); attention_mask (B, T) 1 for tokens, 0 for padding; labels (B, T)
+        with -100 where no loss is taken (shifted inside). `return_logits=False` skips the
+        (B, T, V) logits (the training loop's path: the loss is computed in chunks)."""
+        hf, spec = self.hf, self.spec
+        B, T = input_ids.shape
+        embeds = get_path(hf, spec.embed)(input_ids)
+        position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        sctx = self._context(embeds, attention_mask, position_ids)
+        sctx.probe = probe
+        for b in self.blocks:
+            if b.router_tap is not None:
+                b.router_tap.track_flips = self.track_routing_flips
+                b.router_tap.flips = None
+        X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
+        reversible = self.reversible and self.training and torch.is_grad_enabled()
+        Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
+        norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
+        with sctx.autocast():
+            hidden = norm(torch.cat([Y_1, Y_2], dim=-1).to(norm.weight.dtype))
+            out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None)
+            if labels is not None:
+                loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens)
+                out.loss_sum, out.n_tokens = loss_sum, n_tokens
+                out.loss = loss_sum / n_tokens.clamp(min=1)
+                if out.aux_loss is not None:
+                    if sctx.aux.differentiable:
+                        out.loss = out.loss + self.aux_loss_coef * aux
+                    else:
+                        out.aux_loss = aux.detach()
+            if return_logits:
+                out.logits = head(hidden)
+        return out
+
+    def routing_flips(self) -> int:
+        return int(sum(int(b.router_tap.flips) for b in self.blocks
+                       if b.router_tap is not None and b.router_tap.flips is not None))
+
+    def adapter_parameters(self):
+        return [p for n, p in self.named_parameters() if n.rsplit(".", 2)[-2] in ADAPTER_PREFIXES]
+
+
+def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
+            aux_loss_coef: float | None = None, reversible: bool = True) -> RevFFNForCausalLM:
+    """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
+
+    Args:
+        hf_model: an HF `*ForCausalLM` (qwen2_moe, qwen3_moe, mixtral, olmoe, or any with the
+            standard decoder-layer layout).
+        adapter_init: ``coordinate`` | ``zero`` | ``random`` (see `init_adapters`).
+        stream_dtype: residual stream dtype; keep fp32 with bf16 weights (see README).
+        aux_loss_coef: router load-balancing loss weight; default: the HF config's.
+        reversible: start in reversible mode (False: plain-autograd twin).
+    Raises:
+        UserError: unsupported architecture or odd hidden size.
+    """
+    if adapter_init not in ADAPTER_INITS:
+        raise UserError(f"unknown adapter init {adapter_init!r}. Fix: use one of {', '.join(ADAPTER_INITS)}.")
+    model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef)
+    model.reversible = reversible
+    model.train(hf_model.training)
+    return model

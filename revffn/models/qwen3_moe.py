@@ -1,0 +1,8 @@
+"""Qwen3-MoE: softmax top-k router, q/k RMSNorm inside attention, no shared expert.
+
+`config.sliding_window` (when set) switches every layer to the sliding-window mask.
+"""
+
+from revffn.models.spec import ArchSpec, register
+
+SPEC = register(ArchSpec(model_type="qwen3_moe", sliding_window_all_layers=True))

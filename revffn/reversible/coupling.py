@@ -1,0 +1,252 @@
+"""Reversible coupling and the autograd Function that trains a stack of blocks without activations.
+
+Each block maps two half-width streams (X_1, X_2) to (Y_1, Y_2):
+
+    Y_1 = X_1 + F(X_2)
+    Y_2 = X_2 + G(Y_1)
+
+and is inverted exactly by
+
+    X_2 = Y_2 - G(Y_1)
+    X_1 = Y_1 - F(X_2)
+
+`RevStackFunction.forward` runs all blocks under `no_grad` and saves only the last (Y_1, Y_2),
+the compact routing records and, when dropout is active, per-sub-block RNG states.
+`RevStackFunction.backward` walks the blocks in reverse; `RevBlock.backward_pass` rebuilds each
+block's inputs from its outputs while back-propagating through F and G (minREV's scheme).
+
+`run_stack(..., reversible=False)` is the plain-autograd twin: the same blocks and math, ordinary
+backprop. It is the reference for every parity test and the path used for eval and `no_grad`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from revffn.reversible.replay import AutocastState, RNGState, RouterTap
+
+
+@dataclass
+class StackContext:
+    """What every sub-block needs besides its stream: shared by all layers of one forward.
+
+    `position_embeddings` (cos, sin) and `masks` (one per attention kind) are inputs, not
+    activations; they are saved once per step, not per layer.
+    """
+
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: dict[str, torch.Tensor | None]
+    autocast: AutocastState
+    aux: SwitchAux | None = None
+    needs_rng: bool = False
+    probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [*self.position_embeddings, *self.masks.values()]
+
+    def with_tensors(self, tensors: list[torch.Tensor | None]) -> StackContext:
+        keys = list(self.masks)
+        cos, sin, *masks = tensors
+        return StackContext((cos, sin), dict(zip(keys, masks)), self.autocast, self.aux, self.needs_rng,
+                            self.probe)
+
+
+@dataclass
+class SwitchAux:
+    """HF's `load_balancing_loss_func` (Switch Transformer), accumulated one layer at a time.
+
+    aux = E * sum_e (T_e / R) * (P_e / R), with T_e the top-k assignments to expert e and P_e the
+    summed router probabilities, both over all MoE layers and (unpadded) tokens, R the row count.
+    T is not differentiable, so d aux / d probs_l[t, e] = E * T_e / R**2 * mask_t for every layer
+    l: the reversible backward can apply it layer by layer (`surrogate`).
+    """
+
+    num_experts: int
+    top_k: int
+    row_mask: torch.Tensor | None = None  # (N,) float, 1 for real tokens
+    tokens: torch.Tensor | None = field(default=None, repr=False)
+    probs: torch.Tensor | None = field(default=None, repr=False)
+    rows: torch.Tensor | float = 0.0
+    differentiable: bool = True  # False: the router is frozen, the loss is only logged
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float(), dim=-1)
+
+    def add(self, logits: torch.Tensor) -> None:
+        probs = self._probs(logits)
+        with torch.no_grad():
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
+            weights = None if self.row_mask is None else self.row_mask.repeat_interleave(self.top_k)
+            counts = torch.zeros(self.num_experts, device=probs.device).index_add_(
+                0, chosen, torch.ones_like(chosen, dtype=torch.float) if weights is None else weights
+            )
+        mass = probs if self.row_mask is None else probs * self.row_mask[:, None]
+        mass = mass.sum(0)
+        n = probs.shape[0] if self.row_mask is None else self.row_mask.sum()
+        self.tokens = counts if self.tokens is None else self.tokens + counts
+        self.probs = mass if self.probs is None else self.probs + mass
+        self.rows = self.rows + n
+
+    def value(self) -> torch.Tensor:
+        if self.tokens is None:
+            return torch.zeros(())
+        return self.num_experts * torch.sum(self.tokens / self.rows * (self.probs / self.rows))
+
+    def surrogate(self, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A scalar whose gradient w.r.t. `logits` equals grad * d aux / d logits for this layer."""
+        weight = (grad * self.num_experts * self.tokens / self.rows**2).detach()  # (E,)
+        probs = self._probs(logits)
+        if self.row_mask is not None:
+            probs = probs * self.row_mask[:, None]
+        return (probs * weight).sum()
+
+
+class RevBlock(nn.Module):
+    """One reversible layer. Subclasses define the sub-blocks `F` and `G`.
+
+    Y_1 = X_1 + F(X_2);  Y_2 = X_2 + G(Y_1).   Inverse: X_2 = Y_2 - G(Y_1);  X_1 = Y_1 - F(X_2).
+    """
+
+    layer_idx: int = 0
+    router_tap: RouterTap | None = None
+
+    def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
+        raise NotImplementedError
+
+    def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
+        raise NotImplementedError
+
+    def forward(self, X_1, X_2, sctx: StackContext, rng: list | None = None):
+        if rng is not None:
+            rng.append(RNGState.capture(X_2.device))
+        f_X_2 = self.F(X_2, sctx)
+        Y_1 = X_1 + f_X_2
+        if rng is not None:
+            rng.append(RNGState.capture(Y_1.device))
+        g_Y_1 = self.G(Y_1, sctx)
+        Y_2 = X_2 + g_Y_1
+        if sctx.aux is not None and self.router_tap is not None and self.router_tap.logits is not None:
+            sctx.aux.add(self.router_tap.logits)
+        return Y_1, Y_2
+
+    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, rng=None, d_aux=None):
+        """Rebuild (X_1, X_2) from (Y_1, Y_2) and back-propagate (dY_1, dY_2) through the block.
+
+        Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
+        """
+        with torch.enable_grad():
+            Y_1 = Y_1.detach().requires_grad_(True)
+            with _maybe_replay(rng, 1):
+                g_Y_1 = self.G(Y_1, sctx)
+            outputs, grads = [g_Y_1], [dY_2]
+            if d_aux is not None and self.router_tap is not None and self.router_tap.logits is not None:
+                outputs.append(sctx.aux.surrogate(self.router_tap.logits, d_aux))
+                grads.append(None)
+            torch.autograd.backward(outputs, grads)
+        with torch.no_grad():
+            X_2 = Y_2 - g_Y_1
+            del g_Y_1, outputs  # G's output; its graph was freed by backward()
+            dY_1 = dY_1 + Y_1.grad
+            Y_1.grad = None
+
+        with torch.enable_grad():
+            X_2.requires_grad_(True)
+            with _maybe_replay(rng, 0):
+                f_X_2 = self.F(X_2, sctx)
+            torch.autograd.backward(f_X_2, dY_1)
+        with torch.no_grad():
+            X_1 = Y_1.detach() - f_X_2
+            del f_X_2  # F's output
+            dX_2 = dY_2 + X_2.grad
+            X_2.grad = None
+        return X_1, X_2.detach(), dY_1, dX_2
+
+
+def _maybe_replay(rng, i):
+    return rng[i].replay() if rng else contextlib.nullcontext()
+
+
+class RevStackFunction(torch.autograd.Function):
+    """Autograd over the whole stack: saves (Y_1, Y_2) and the compact records, nothing per layer."""
+
+    @staticmethod
+    def forward(ctx, X_1, X_2, blocks, sctx: StackContext, *params):
+        layout = []  # per block: (n_routing_records, n_rng_tensors)
+        records: list[torch.Tensor] = []
+        with torch.no_grad():
+            for block in blocks:
+                tap = block.router_tap
+                if tap is not None:
+                    tap.start("record")
+                rng = [] if sctx.needs_rng else None
+                X_1, X_2 = block(X_1, X_2, sctx, rng)
+                routing = tap.take_records() if tap is not None else []
+                if tap is not None:
+                    tap.start(None)
+                rng_tensors = [t for s in (rng or []) for t in s.tensors()]
+                layout.append((len(routing), len(rng_tensors), rng[0].device if rng else None))
+                records += routing + rng_tensors
+            aux = sctx.aux.value() if sctx.aux is not None else X_1.new_zeros(())
+        ctx.blocks, ctx.layout = blocks, layout
+        ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))  # tensors go through save_for_backward
+        ctx.n_ctx = len(sctx.tensors())
+        ctx.save_for_backward(X_1, X_2, *sctx.tensors(), *records)
+        return X_1, X_2, aux
+
+    @staticmethod
+    def backward(ctx, dY_1, dY_2, d_aux):
+        Y_1, Y_2, *rest = ctx.saved_tensors
+        sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])
+        records = rest[ctx.n_ctx :]
+        use_aux = sctx.aux is not None and sctx.aux.differentiable
+        # split the flat records back into per-block lists
+        per_block, i = [], 0
+        for n_route, n_rng, dev in ctx.layout:
+            routing = records[i : i + n_route]
+            rng_t = records[i + n_route : i + n_route + n_rng]
+            i += n_route + n_rng
+            per_block.append((routing, _unflatten_rng(rng_t, dev)))
+
+        for block, (routing, rng) in zip(reversed(ctx.blocks), reversed(per_block)):
+            tap = block.router_tap
+            if tap is not None:
+                tap.start("replay", routing)
+            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
+                Y_1, Y_2, dY_1, dY_2, sctx, rng, d_aux if use_aux else None
+            )
+            if tap is not None:
+                tap.start(None)
+            if sctx.probe is not None:
+                sctx.probe(block.layer_idx, Y_1, Y_2)
+        n_params = len(ctx.needs_input_grad) - 4
+        return (dY_1, dY_2, None, None, *([None] * n_params))
+
+
+def _unflatten_rng(tensors, device):
+    if not tensors:
+        return None
+    if device is None:  # CPU: one state per sub-block
+        return [RNGState(t, None, None) for t in tensors]
+    return [RNGState(tensors[0], tensors[1], device), RNGState(tensors[2], tensors[3], device)]
+
+
+def run_stack(blocks, X_1, X_2, sctx: StackContext, reversible: bool):
+    """Run `blocks` on the streams; returns (Y_1, Y_2, aux).
+
+    reversible=True uses `RevStackFunction` (O(1) activations in depth); False is the plain twin.
+    """
+    if reversible:
+        params = [p for b in blocks for p in b.parameters() if p.requires_grad]
+        return RevStackFunction.apply(X_1, X_2, blocks, sctx, *params)
+    for block in blocks:
+        if sctx.probe is not None:
+            sctx.probe(block.layer_idx, X_1, X_2)
+        rng = None
+        X_1, X_2 = block(X_1, X_2, sctx, rng)
+    aux = sctx.aux.value() if sctx.aux is not None else X_1.new_zeros(())
+    return X_1, X_2, aux
