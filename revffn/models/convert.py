@@ -16,6 +16,7 @@ the pretrained final norm and LM head.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -158,7 +159,9 @@ class RevFFNForCausalLM(nn.Module):
             else aux_loss_coef
         self.chunk_tokens = 1024
         self.track_routing_flips = False
+        self.routing_replay = True
         self.last_stack_stats: dict = {}
+        self.stack_scope = contextlib.nullcontext  # e.g. saved-tensor hooks around the decoder stack only
         layers = get_path(hf_model, spec.layers)
         n_exp = spec.num_experts(config)
         self.num_experts, self.top_k = n_exp, getattr(config, spec.top_k_key, 0)
@@ -227,13 +230,16 @@ class RevFFNForCausalLM(nn.Module):
         position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         sctx = self._context(embeds, attention_mask, position_ids)
         sctx.probe = probe
+        sctx.replay_routing = self.routing_replay
         for b in self.blocks:
             if b.router_tap is not None:
                 b.router_tap.track_flips = self.track_routing_flips
                 b.router_tap.flips = None
         X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
         reversible = self.reversible and self.training and torch.is_grad_enabled()
-        Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
+        with self.stack_scope():
+            Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
+        self.last_stack_stats = sctx.stats
         norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
         with sctx.autocast():
             hidden = norm(torch.cat([Y_1, Y_2], dim=-1).to(norm.weight.dtype))

@@ -22,8 +22,8 @@ backprop. It is the reference for every parity test and the path used for eval a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -44,7 +44,9 @@ class StackContext:
     autocast: AutocastState
     aux: SwitchAux | None = None
     needs_rng: bool = False
+    replay_routing: bool = True  # False only to demonstrate what replay prevents (tests)
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
+    stats: dict = field(default_factory=dict)  # filled by RevStackFunction: record bytes and storages
 
     def tensors(self) -> list[torch.Tensor | None]:
         return [*self.position_embeddings, *self.masks.values()]
@@ -53,7 +55,7 @@ class StackContext:
         keys = list(self.masks)
         cos, sin, *masks = tensors
         return StackContext((cos, sin), dict(zip(keys, masks)), self.autocast, self.aux, self.needs_rng,
-                            self.probe)
+                            self.replay_routing, self.probe, self.stats)
 
 
 @dataclass
@@ -195,6 +197,8 @@ class RevStackFunction(torch.autograd.Function):
         ctx.blocks, ctx.layout = blocks, layout
         ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))  # tensors go through save_for_backward
         ctx.n_ctx = len(sctx.tensors())
+        sctx.stats["record_bytes"] = sum(t.numel() * t.element_size() for t in records)
+        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in records}
         ctx.save_for_backward(X_1, X_2, *sctx.tensors(), *records)
         return X_1, X_2, aux
 
@@ -214,7 +218,7 @@ class RevStackFunction(torch.autograd.Function):
 
         for block, (routing, rng) in zip(reversed(ctx.blocks), reversed(per_block)):
             tap = block.router_tap
-            if tap is not None:
+            if tap is not None and sctx.replay_routing:
                 tap.start("replay", routing)
             Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
                 Y_1, Y_2, dY_1, dY_2, sctx, rng, d_aux if use_aux else None

@@ -1,0 +1,3 @@
+from revffn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""`revffn check`: the consistency check of the ops checklist (seed 001, step 3).
+
+Build or load a model, convert it, run forward and backward on one batch twice, reversible and
+plain twin, and compare: rebuilt layer inputs against the cached ones, gradients against the
+plain twin (and, for bf16, both against an fp32 run on the same weights), saved bytes for
+backward, routing flips. Exit code 0 passed, 1 over tolerance, 2 bad input.
+
+    revffn check --model tiny-qwen2-moe --layers 4 --json
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from revffn.memory.measure import saved_bytes_of_stack
+from revffn.models.convert import convert
+from revffn.models.loading import load_hf
+
+TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
+
+
+def make_batch(vocab: int, batch: int, seq: int, seed: int):
+    """Random tokens; the last row is right-padded over its final quarter (masks get exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1 and seq >= 4:
+        mask[-1, seq - seq // 4 :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _step(model, ids, mask, labels, reversible: bool, probe_store: dict | None):
+    model.zero_grad(set_to_none=True)
+    model.reversible = reversible
+    probe = None
+    if probe_store is not None:
+        def probe(i, X_1, X_2):
+            probe_store[i] = (X_1.detach().float().clone(), X_2.detach().float().clone())
+    with saved_bytes_of_stack(model) as log:
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=False, probe=probe)
+    saved = log.bytes(model.last_stack_stats.get("record_storages", set()))
+    records = model.last_stack_stats.get("record_bytes", 0)
+    out.loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.item(), grads, saved, records
+
+
+def _flat(grads: dict, names) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1) for n in names])
+
+
+def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
+              seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
+              stream_dtype: torch.dtype = torch.float32) -> dict:
+    """Run the consistency check; returns the report dict (see module docstring)."""
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    hf32 = load_hf(model, dtype=torch.float32, seed=seed, **overrides)
+    hf32.train()
+    low = dtype in ("bfloat16", "bf16")
+    if low:  # every model below shares the bf16-representable weights
+        with torch.no_grad():
+            for p in hf32.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    ids, mask, labels = make_batch(hf32.config.vocab_size, batch, seq, seed)
+    with torch.no_grad():
+        loss_unconverted = hf32(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+
+    conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
+                   stream_dtype=stream_dtype)
+    conv.train()
+    conv.track_routing_flips = True
+    with torch.no_grad():
+        conv.eval()
+        loss_converted = conv(ids, attention_mask=mask, labels=labels, return_logits=False).loss.item()
+        conv.train()
+
+    cached, rebuilt = {}, {}
+    loss_plain, g_plain, saved_plain, _ = _step(conv, ids, mask, labels, False, cached)
+    loss_rev, g_rev, saved_rev, record_bytes = _step(conv, ids, mask, labels, True, rebuilt)
+    flips = conv.routing_flips()
+
+    recon = max(max((a - b).abs().max().item() for a, b in zip(cached[i], rebuilt[i])) for i in cached)
+    names = sorted(g_plain)
+    rel = max(((g_rev[n] - g_plain[n]).norm() / g_plain[n].norm().clamp(min=1e-30)).item()
+              for n in names if g_plain[n].abs().max() > 0)
+    report = {
+        "model": model, "model_type": hf32.config.model_type, "layers": hf32.config.num_hidden_layers,
+        "dtype": "bfloat16" if low else "float32", "batch": batch, "seq": seq, "seed": seed,
+        "adapter_init": adapter_init, "stream_dtype": str(stream_dtype).removeprefix("torch."),
+        "loss_unconverted": loss_unconverted, "loss_converted": loss_converted,
+        "conversion_gap": loss_converted - loss_unconverted,
+        "loss_reversible": loss_rev, "loss_plain": loss_plain,
+        "max_reconstruction_error": recon, "max_rel_grad_error": rel,
+        "routing_flips": flips,
+        "saved_bytes_reversible": saved_rev, "saved_bytes_plain": saved_plain,
+        "routing_record_bytes": record_bytes,
+    }
+    if low:
+        ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init)
+        ref.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
+        ref.train()
+        _, g_fp32, _, _ = _step(ref, ids, mask, labels, False, None)
+        truth = _flat(g_fp32, names)
+        num = (_flat(g_rev, names) - truth).norm().item()
+        den = (_flat(g_plain, names) - truth).norm().item()
+        report["err_ratio_vs_fp32"] = num / den if den > 0 else (1.0 if num == 0 else math.inf)
+        passed = report["err_ratio_vs_fp32"] <= TOL["err_ratio_vs_fp32"]
+    else:
+        passed = rel <= TOL["max_rel_grad_error"] and recon <= TOL["max_reconstruction_error"]
+    report["passed"] = bool(passed and math.isfinite(loss_converted) and math.isfinite(loss_rev))
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"revffn check: {r['model']} ({r['model_type']}), {r['layers']} layers, {r['dtype']}, "
+             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}"]
+    keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
+            "max_rel_grad_error", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
+            "saved_bytes_plain", "routing_record_bytes"]
+    for k in keys:
+        if k in r:
+            v = r[k]
+            tol = f"  (tolerance {TOL[k]:g})" if k in TOL and (k != "err_ratio_vs_fp32" or r["dtype"] != "float32") \
+                and not (r["dtype"] == "bfloat16" and k != "err_ratio_vs_fp32") else ""
+            lines.append(f"  {k:<26} {v:.4g}{tol}" if isinstance(v, float) else f"  {k:<26} {v}{tol}")
+    lines.append("  PASSED" if r["passed"] else "  FAILED")
+    return "\n".join(lines)

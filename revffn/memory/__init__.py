@@ -1,0 +1,1 @@
+"""Memory: analytic estimates (estimate.py) and measurements (measure.py)."""

@@ -1,0 +1,72 @@
+"""Measure memory: bytes saved for backward (saved_tensors_hooks), process peak RSS, CUDA peaks.
+
+Saved bytes are counted per unique storage: a saved view keeps its whole storage alive, and a
+tensor saved twice costs once. Parameters (and views of them) are excluded: they live anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+
+import torch
+
+
+class SavedTensorLog:
+    """Storages saved for backward while active; `bytes(exclude)` sums them."""
+
+    def __init__(self, params=()):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_storages and ptr != 0:
+            self.storages[ptr] = storage.nbytes()
+        return t
+
+    def bytes(self, exclude: set[int] = frozenset()) -> int:
+        return sum(n for ptr, n in self.storages.items() if ptr not in exclude)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield
+
+
+@contextlib.contextmanager
+def saved_bytes_of_stack(model):
+    """Log what the decoder stack of a `RevFFNForCausalLM` saves for backward (params excluded).
+
+    Yields the log; after the forward, `log.bytes(model.last_stack_stats.get("record_storages"))`
+    gives the activation bytes without the routing records.
+    """
+    log = SavedTensorLog(model.parameters())
+    previous = model.stack_scope
+    model.stack_scope = log.hooks
+    try:
+        yield log
+    finally:
+        model.stack_scope = previous
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()

@@ -1,0 +1,150 @@
+"""Conversion: structure, masks, inits, unsupported layouts, local directories."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import revffn
+from revffn import convert, tiny_model
+from revffn.errors import UserError
+from revffn.models.spec import spec_for
+from tests.conftest import GENERIC, REQUIRED
+
+
+@pytest.mark.parametrize("name", REQUIRED + [GENERIC])
+def test_tiny_models_are_real_hf_classes(name):
+    hf = tiny_model(name, num_hidden_layers=3)
+    assert type(hf).__module__.startswith("transformers.models.")
+    assert hf.config.num_hidden_layers == 3
+    assert spec_for(hf).model_type == hf.config.model_type
+    model = convert(hf)
+    assert len(model.blocks) == 3
+    assert model.blocks[1].router_tap is not None
+    # the unconverted pieces stay reachable, as PEFT keeps base_layer
+    assert model.blocks[0].base_layer.self_attn is not None
+    out = model(torch.randint(3, 512, (2, 8)), labels=torch.randint(3, 512, (2, 8)))
+    assert out.logits.shape == (2, 8, 512) and torch.isfinite(out.loss)
+
+
+def test_generic_spec_is_used_for_unregistered_architecture():
+    hf = tiny_model(GENERIC, num_hidden_layers=2)
+    spec = spec_for(hf)
+    assert spec.model_type == "glm4_moe" and "generic" in spec.notes
+    from revffn.models import ARCHITECTURES
+
+    assert "glm4_moe" not in ARCHITECTURES
+
+
+def test_unsupported_layout_gives_clear_error():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UserError) as e:
+        convert(gpt2)
+    msg = str(e.value)
+    assert "gpt2" in msg
+    for t in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
+        assert t in msg
+
+
+def test_padding_mask_is_respected():
+    """Logits of real tokens do not depend on right padding."""
+    model = convert(tiny_model("tiny-qwen3-moe", num_hidden_layers=2)).eval()
+    ids = torch.randint(3, 512, (1, 10))
+    padded = torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 6)], dim=1).long()
+    with torch.no_grad():
+        a = model(ids).logits
+        b = model(padded, attention_mask=mask).logits[:, :10]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_causality():
+    model = convert(tiny_model("tiny-mixtral", num_hidden_layers=2)).eval()
+    ids = torch.randint(3, 512, (1, 12))
+    changed = ids.clone()
+    changed[0, 8:] = 7
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    assert torch.allclose(a[:, :8], b[:, :8], atol=1e-5)
+    assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
+
+
+def test_zero_init_is_exactly_the_layerless_model():
+    hf = tiny_model("tiny-olmoe", num_hidden_layers=2)
+    ids = torch.randint(3, 512, (2, 8))
+    with torch.no_grad():
+        expected = hf.lm_head(hf.model.norm(hf.model.embed_tokens(ids)))
+    model = convert(hf, adapter_init="zero").eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("init", ["coordinate", "zero", "random"])
+def test_adapter_inits_keep_loss_finite_and_close(init):
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=4)
+    ids = torch.randint(3, 512, (2, 16))
+    with torch.no_grad():
+        base = hf(input_ids=ids, labels=ids).loss.item()
+        conv = convert(hf, adapter_init=init).eval()(ids, labels=ids).loss.item()
+    print(init, base, conv)
+    assert abs(conv - base) < 0.5
+
+
+def test_module_hooks_fire_in_both_paths():
+    """Sub-modules are called through module(...): hooks see forward and the recomputation."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).train()
+    calls = {"attn": 0, "mlp": 0, "p_up": 0}
+    model.blocks[0].base_layer.self_attn.register_forward_hook(lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
+    model.blocks[0].base_layer.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1))
+    model.blocks[0].p_up_attn.register_forward_hook(lambda *a: calls.__setitem__("p_up", calls["p_up"] + 1))
+    ids = torch.randint(3, 512, (1, 8))
+    model.reversible = False
+    model(ids, labels=ids).loss.backward()
+    assert calls == {"attn": 1, "mlp": 1, "p_up": 1}
+    model.reversible = True
+    model(ids, labels=ids).loss.backward()
+    assert calls == {"attn": 3, "mlp": 3, "p_up": 3}  # forward + backward recomputation
+
+
+def test_eval_and_no_grad_use_the_plain_path():
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
+    ids = torch.randint(3, 512, (1, 8))
+    model.eval()
+    out = model(ids, labels=ids)
+    assert out.loss.grad_fn is not None
+    assert "RevStack" not in _graph_names(out.loss.grad_fn)
+    model.train()
+    out = model(ids, labels=ids)
+    assert "RevStackFunctionBackward" in _graph_names(out.loss.grad_fn)
+
+
+def _graph_names(fn, seen=None):
+    seen = set() if seen is None else seen
+    if fn is None or fn in seen:
+        return set()
+    seen.add(fn)
+    names = {type(fn).__name__}
+    for nxt, _ in fn.next_functions:
+        names |= _graph_names(nxt, seen)
+    return names
+
+
+def test_local_directory_loads_with_from_pretrained(tmp_path):
+    hf = tiny_model("tiny-olmoe", num_hidden_layers=2)
+    hf.save_pretrained(tmp_path)
+    from revffn.models.loading import load_hf
+
+    again = load_hf(str(tmp_path))
+    for (n, a), (_, b) in zip(hf.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert revffn.convert(again) is not None
+
+
+def test_bad_model_refs(tmp_path):
+    from revffn.models.loading import load_hf
+
+    with pytest.raises(UserError, match="config.json"):
+        load_hf(str(tmp_path))
+    with pytest.raises(UserError, match="tiny-qwen2-moe"):
+        load_hf("tiny-qwen2-mo")
+    with pytest.raises(UserError, match="never downloads"):
+        load_hf("Qwen/Qwen1.5-MoE-A2.7B")
