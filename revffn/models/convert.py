@@ -220,14 +220,16 @@ class RevFFNForCausalLM(nn.Module):
                             needs_rng=self.training and self.has_dropout)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, return_logits: bool = True, probe=None) -> RevFFNOutput:
+                labels: torch.Tensor | None = None, return_logits: bool = True, probe=None,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> RevFFNOutput:
         """Args: input_ids (B, T); attention_mask (B, T) 1 for tokens, 0 for padding; labels (B, T)
         with -100 where no loss is taken (shifted inside). `return_logits=False` skips the
         (B, T, V) logits (the training loop's path: the loss is computed in chunks)."""
         hf, spec = self.hf, self.spec
         B, T = input_ids.shape
         embeds = get_path(hf, spec.embed)(input_ids)
-        position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         sctx = self._context(embeds, attention_mask, position_ids)
         sctx.probe = probe
         sctx.replay_routing = self.routing_replay
@@ -254,7 +256,7 @@ class RevFFNForCausalLM(nn.Module):
                     else:
                         out.aux_loss = aux.detach()
             if return_logits:
-                out.logits = head(hidden)
+                out.logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return out
 
     def routing_flips(self) -> int:

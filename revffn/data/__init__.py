@@ -1,0 +1,10 @@
+"""Data: dataset files, chat templates, tokenisation, batching, the shipped tokenizer and task data.
+
+* `formats.load_examples`   - JSON/JSONL/builtin datasets -> normalised chat examples
+* `templates.render_segments`, `templates.render_prompt` - examples -> text, with the loss mask
+* `collate.tokenize_dataset`, `collate.collate`, `collate.DataOrder` - tokens, batches, resumable order
+* `tokenizer.load_tokenizer` - the shipped BPE tokenizer or a local one
+* `tasks`, `corpus` - synthetic task generators and the offline stdlib-docstring corpus
+
+Submodules are not imported here, so `import revffn.data` stays cheap.
+"""

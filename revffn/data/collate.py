@@ -1,0 +1,140 @@
+"""Tokenise examples into (input_ids, labels) items, pad them into batches, and order them resumably.
+
+Each rendered segment (see `templates.render_segments`) is tokenised on its own with
+`add_special_tokens=False` and the pieces are concatenated, so the label mask lines up exactly with
+the segment boundaries. Labels are the input ids on trained tokens and -100 elsewhere; the loss
+shifts them by one position itself.
+
+Packing (`packing=True`) is the standard "naive" packing (as in TRL's packing without
+position-id resets): examples are concatenated in order and cut into rows of exactly
+`max_seq_length` tokens (the last row may be shorter). Attention crosses example boundaries inside
+a row; each example ends with its end token, so the model still sees where one stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from revffn.data.templates import render_segments
+from revffn.errors import UserError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenizedDataset:
+    """Training items `(input_ids, labels)` and counts describing how they were made."""
+
+    items: list[tuple[list[int], list[int]]]
+    stats: dict = field(default_factory=dict)
+
+
+def _encode(example: dict, tokenizer) -> tuple[list[int], list[int]]:
+    segments = render_segments(example, tokenizer)
+    pieces = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    labels: list[int] = []
+    for (_, train), piece in zip(segments, pieces):
+        ids += piece
+        labels += piece if train else [IGNORE_INDEX] * len(piece)
+    return ids, labels
+
+
+def _pack(items: list[tuple[list[int], list[int]]], length: int) -> list[tuple[list[int], list[int]]]:
+    """Concatenate items and cut rows of `length`; rows with no predicted trained token are left out."""
+    ids = [t for item_ids, _ in items for t in item_ids]
+    labels = [t for _, item_labels in items for t in item_labels]
+    rows = [(ids[s : s + length], labels[s : s + length]) for s in range(0, len(ids), length)]
+    return [row for row in rows if any(t != IGNORE_INDEX for t in row[1][1:])]
+
+
+def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packing: bool = False,
+                     key: str = "data") -> TokenizedDataset:
+    """Tokenise normalised examples into training items, truncating to `max_seq_length`.
+
+    Examples left with no trained token after truncation are dropped; a UserError names `key` when
+    nothing is left. `stats` holds n_examples, n_truncated, n_dropped, n_items, n_tokens, n_train_tokens.
+    """
+    if max_seq_length < 2:
+        raise UserError(f"max_seq_length: must be at least 2, got {max_seq_length}. Fix: use e.g. 512.")
+    items, n_truncated, n_dropped = [], 0, 0
+    for example in examples:
+        ids, labels = _encode(example, tokenizer)
+        if len(ids) > max_seq_length:
+            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
+            n_truncated += 1
+        # Position 0 is never predicted (labels shift by one), so a lone trained first token does not count.
+        if all(t == IGNORE_INDEX for t in labels[1:]):
+            n_dropped += 1
+            continue
+        items.append((ids, labels))
+    if not items:
+        raise UserError(f"{key}: no trainable example left: all {len(examples)} examples lost their response to "
+                        f"truncation at max_seq_length={max_seq_length} ({n_truncated} truncated, {n_dropped} "
+                        "dropped). Fix: raise max_seq_length, or shorten the prompts.")
+    if packing:
+        items = _pack(items, max_seq_length)
+    stats = {
+        "n_examples": len(examples), "n_truncated": n_truncated, "n_dropped": n_dropped, "n_items": len(items),
+        "n_tokens": sum(len(ids) for ids, _ in items),
+        "n_train_tokens": sum(t != IGNORE_INDEX for _, labels in items for t in labels),
+    }
+    return TokenizedDataset(items=items, stats=stats)
+
+
+def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids (pad_id), attention_mask (0 on padding), labels (-100 on padding)."""
+    width = max(len(ids) for ids, _ in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, (ids, lab) in enumerate(items):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[row, : len(lab)] = torch.tensor(lab, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class DataOrder:
+    """Deterministic, resumable order over `n` items: epoch e walks randperm(n) seeded with seed + e.
+
+    `state_dict()` after any number of `next_indices` calls, restored into a fresh DataOrder with the
+    same (n, seed, shuffle), continues with exactly the indices the uninterrupted run would produce.
+    """
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        if n < 1:
+            raise ValueError("DataOrder needs at least one item")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._perm: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._perm is None:  # cached per epoch; dropped when the epoch changes
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._perm = torch.randperm(self.n, generator=gen).tolist()
+            else:
+                self._perm = list(range(self.n))
+        return self._perm
+
+    def next_indices(self, batch_size: int) -> list[int]:
+        """The next `batch_size` indices; a batch may run over into the next epoch."""
+        out: list[int] = []
+        while len(out) < batch_size:
+            take = min(batch_size - len(out), self.n - self.position)
+            out += self._permutation()[self.position : self.position + take]
+            self.position += take
+            if self.position == self.n:
+                self.epoch, self.position, self._perm = self.epoch + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict:
+        """{"epoch", "position"}: enough to continue exactly (n, seed and shuffle come from the config)."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a `state_dict()`."""
+        self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None

@@ -1,0 +1,173 @@
+"""Read a dataset file (JSON list or JSONL) into normalised chat examples.
+
+Accepted example formats, detected per example by its keys:
+
+* alpaca:    {"instruction", "input"?, "output", "system"?}  (user = instruction + "\\n\\n" + input)
+* sharegpt:  {"conversations": [{"from": human|user|gpt|assistant|system, "value"}]}
+* messages:  {"messages": [{"role": system|user|assistant, "content"}]}
+* prompt/completion: {"prompt", "completion"} (strings, or lists of {"role", "content"} messages)
+* text:      {"text"}  (plain text, trained on every token)
+
+Every example becomes `{"messages": [...], "text": str | None, "source": "FILE:LINE", "answer": str | None}`.
+`messages` ends with the last assistant turn (turns after it carry no loss and are dropped), so
+`messages[:-1]` is the prompt and `answer` (the reference for exact-match eval) is `messages[-1]["content"]`.
+`builtin:NAME` reads `revffn/assets/data/NAME.jsonl`. Every problem raises one `UserError` naming
+FILE:LINE, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from revffn.errors import UserError, closest
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets" / "data"
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+FORMATS_HELP = ("accepted formats: alpaca {instruction, input?, output, system?}; sharegpt {conversations: "
+                "[{from, value}]}; messages {messages: [{role, content}]}; {prompt, completion}; {text}")
+
+
+def builtin_names() -> list[str]:
+    """Names usable as `builtin:NAME`."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl"))
+
+
+def _resolve(path: str, key: str) -> tuple[Path, str]:
+    """The file to read and the name to show in messages."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        if name not in builtin_names():
+            raise UserError(f"{key}: unknown builtin dataset {path!r}.{closest(name, builtin_names())} "
+                            f"Available: {', '.join('builtin:' + n for n in builtin_names())}.")
+        return BUILTIN_DIR / f"{name}.jsonl", path
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"{key}: file {path!r} not found. Fix: give the path of a .json or .jsonl file (relative "
+                        "to the working directory), or a builtin dataset such as 'builtin:quickstart_train'.")
+    return file, path
+
+
+def _records(file: Path, name: str) -> list[tuple[int, object]]:
+    """(line, parsed object) for every record: JSONL lines, or the elements of a top-level JSON list."""
+    text = file.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{name}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno}). "
+                            "Fix: correct the JSON syntax at that position.") from None
+        return list(zip(_element_lines(text), items))
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{name}:{lineno}: invalid JSON line: {e.msg} (column {e.colno}). Fix: a JSONL file "
+                            "holds one complete JSON object per line; a .json file holds one list [...].") from None
+    return records
+
+
+def _element_lines(text: str) -> list[int]:
+    """1-based line where each element of a (valid) top-level JSON list starts."""
+    decoder, lines = json.JSONDecoder(), []
+    pos = text.index("[") + 1
+    while True:
+        while text[pos] in " \t\r\n,":  # separators; the text already parsed, so nothing else occurs here
+            pos += 1
+        if text[pos] == "]":
+            return lines
+        lines.append(text.count("\n", 0, pos) + 1)
+        _, pos = decoder.raw_decode(text, pos)
+
+
+def _str(rec: dict, field: str, where: str, optional: bool = False) -> str:
+    value = rec.get(field)
+    if value is None:
+        if optional:
+            return ""
+        raise UserError(f"{where}: missing field {field!r}. Fix: add it ({FORMATS_HELP}).")
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {field!r} must be a string, got {type(value).__name__} "
+                        f"{json.dumps(value)[:60]}. Fix: quote the value or convert it to text.")
+    return value
+
+
+def _message_list(value: object, field: str, where: str, role_key: str, content_key: str,
+                  roles: dict[str, str]) -> list[dict]:
+    """Validate a list of turn objects and map them to {role, content}."""
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: field {field!r} must be a non-empty list of {{{role_key}, {content_key}}} objects, "
+                        f"got {json.dumps(value)[:60]}.")
+    out = []
+    for i, turn in enumerate(value):
+        at = f"{where}: {field}[{i}]"
+        if not isinstance(turn, dict):
+            raise UserError(f"{at} must be an object {{{role_key}, {content_key}}}, got {json.dumps(turn)[:60]}.")
+        role = _str(turn, role_key, at)
+        if role not in roles:
+            raise UserError(f"{at}: unknown {role_key} {role!r}.{closest(role, roles)} "
+                            f"Fix: use one of {', '.join(roles)}.")
+        out.append({"role": roles[role], "content": _str(turn, content_key, at)})
+    return out
+
+
+def _messages(rec: dict, where: str) -> list[dict]:
+    """The conversation of a chat-format record (alpaca, sharegpt, messages, prompt/completion)."""
+    identity = {r: r for r in ROLES}
+    if "messages" in rec:
+        return _message_list(rec["messages"], "messages", where, "role", "content", identity)
+    if "conversations" in rec:
+        return _message_list(rec["conversations"], "conversations", where, "from", "value", SHAREGPT_ROLES)
+    if "instruction" in rec:
+        system, instruction = _str(rec, "system", where, optional=True), _str(rec, "instruction", where)
+        user_input, output = _str(rec, "input", where, optional=True), _str(rec, "output", where)
+        msgs = [{"role": "system", "content": system}] if system else []
+        user = instruction + "\n\n" + user_input if user_input else instruction
+        return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    if "prompt" in rec or "completion" in rec:
+        turns = []
+        for field, role in (("prompt", "user"), ("completion", "assistant")):
+            if isinstance(rec.get(field), list):  # conversational prompt/completion (as in TRL)
+                turns += _message_list(rec[field], field, where, "role", "content", identity)
+            else:
+                turns.append({"role": role, "content": _str(rec, field, where)})
+        return turns
+    raise UserError(f"{where}: cannot tell the format of an example with keys {sorted(rec)}. Fix: use one of the "
+                    f"{FORMATS_HELP}.")
+
+
+def normalise(rec: object, where: str) -> dict:
+    """One raw record -> the normalised example (see module docstring); `where` is FILE:LINE."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__} {json.dumps(rec)[:60]}. "
+                        f"Fix: make each example an object ({FORMATS_HELP}).")
+    chat_keys = {"messages", "conversations", "instruction", "prompt", "completion"}
+    if "text" in rec and not chat_keys & rec.keys():
+        return {"messages": [], "text": _str(rec, "text", where), "source": where, "answer": None}
+    msgs = _messages(rec, where)
+    assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not assistant_at:
+        raise UserError(f"{where}: the conversation has no assistant turn, so there is nothing to train on. "
+                        "Fix: add an assistant (or 'gpt') message with the expected response.")
+    first = next(m for m in msgs if m["role"] != "system")
+    if first["role"] == "assistant":
+        raise UserError(f"{where}: the conversation starts with an assistant turn. "
+                        "Fix: put a user message before the first assistant message.")
+    msgs = msgs[: assistant_at[-1] + 1]  # later turns carry no loss; now messages[:-1] is the prompt
+    return {"messages": msgs, "text": None, "source": where, "answer": msgs[-1]["content"]}
+
+
+def load_examples(path: str, key: str = "data") -> list[dict]:
+    """All examples of a JSON/JSONL file or `builtin:NAME`, normalised; UserError on any bad record."""
+    file, name = _resolve(path, key)
+    try:
+        examples = [normalise(rec, f"{name}:{line}") for line, rec in _records(file, name)]
+    except UserError as e:  # name the config key too, so the user knows which setting reads this file
+        raise UserError(f"{key}: {e}") from None
+    if not examples:
+        raise UserError(f"{key}: {name!r} holds no examples. Fix: add at least one example ({FORMATS_HELP}).")
+    return examples

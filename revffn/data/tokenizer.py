@@ -1,0 +1,61 @@
+"""Tokenizer loading: the shipped byte-level BPE tokenizer, or a local HF tokenizer directory.
+
+The shipped tokenizer (`SHIPPED_TOKENIZER`, built by `scripts/build_tokenizer.py`) has 2048 tokens
+and these special tokens (`SPECIAL_TOKENS`, ids in order):
+
+    0 <|pad|>        padding
+    1 <|endoftext|>  bos: document boundary (never added automatically)
+    2 <|end|>        eos: ends every chat turn, so a generated response stops on it
+    3 <|system|>  4 <|user|>  5 <|assistant|>   role headers
+
+`<|end|>` is the eos token (not `<|endoftext|>`) because it is what the model learns to emit after
+an answer: `generate(..., eos_token_id=tokenizer.eos_token_id)` then stops at the end of a response.
+The ids 0/1/2 match pad/bos/eos of the tiny model presets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from revffn.errors import UserError
+
+SHIPPED_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
+
+PAD, BOS, EOS = "<|pad|>", "<|endoftext|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>"]
+
+# Each turn is "<|role|>\n{content}<|end|>\n"; the generation prompt is "<|assistant|>\n".
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unknown role ' + message['role'] + ': use system, user or assistant') }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+
+
+def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTrainedTokenizerFast:
+    """The shipped tokenizer (`path=None`) or the one in local directory `path`; never downloads.
+
+    pad_token falls back to eos_token when the tokenizer has none (padding is masked anyway).
+    """
+    where = SHIPPED_TOKENIZER if path is None else str(Path(path).expanduser())
+    if not Path(where).is_dir():
+        raise UserError(f"{key}: directory {path!r} not found. Fix: give a local directory holding tokenizer.json "
+                        f"(e.g. the model directory), or leave {key} unset for the shipped tokenizer.")
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a directory it cannot read
+        raise UserError(f"{key}: cannot load a tokenizer from {where!r}: {type(e).__name__}: {e}. "
+                        "Fix: point it at a directory written by save_pretrained (tokenizer.json, "
+                        "tokenizer_config.json).") from None
+    if tok.eos_token is None:
+        raise UserError(f"{key}: the tokenizer in {where!r} has no eos_token. Fix: set \"eos_token\" in its "
+                        "tokenizer_config.json to the token that ends a response.")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

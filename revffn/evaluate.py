@@ -1,0 +1,59 @@
+"""`revffn eval`: loss, perplexity and exact-match accuracy of a model on a data file.
+
+Exact match compares the greedy generation with the example's reference answer (its final
+assistant message) after collapsing whitespace. When the reference ends with an `Answer: X` line
+(mini-GSM), the final answers are compared instead, as GSM8K scoring does.
+
+    revffn eval runs/quickstart/final --data builtin:quickstart_test --json
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+_ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split())
+
+
+def is_match(prediction: str, reference: str) -> bool:
+    if normalize(prediction) == normalize(reference):
+        return True
+    ref = _ANSWER.search(reference)
+    pred = _ANSWER.search(prediction)
+    return bool(ref and pred and normalize(ref.group(1)) == normalize(pred.group(1)))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, batch_size: int = 16,
+             max_new_tokens: int = 48, limit: int | None = None) -> dict:
+    """Teacher-forced loss/perplexity over all examples; exact match over the first `limit` with answers."""
+    from revffn.data.collate import collate, tokenize_dataset
+    from revffn.data.templates import render_prompt
+    from revffn.inference import generate_from_texts
+
+    model.eval()
+    device = next(model.parameters()).device
+    data = tokenize_dataset(examples, tokenizer, max_seq_length, False, "data")
+    total, count = 0.0, 0
+    for i in range(0, len(data.items), batch_size):
+        batch = {k: v.to(device) for k, v in collate(data.items[i : i + batch_size], tokenizer.pad_token_id).items()}
+        out = model(**batch, return_logits=False)
+        total += float(out.loss_sum)
+        count += int(out.n_tokens)
+    loss = total / max(count, 1)
+    scored = [e for e in examples if e.get("answer") is not None]
+    if limit is not None:
+        scored = scored[:limit]
+    prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
+    preds = generate_from_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device) if scored else []
+    hits = [is_match(p, e["answer"]) for p, e in zip(preds, scored)]
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
+            "n_scored": len(hits), "n_examples": len(examples),
+            "samples": [{"prompt": e["messages"][-2]["content"], "reference": e["answer"], "prediction": p}
+                        for e, p in list(zip(scored, preds))[:3]]}

@@ -1,0 +1,11 @@
+"""Fine-tuning methods, one file each; registration is one line here."""
+
+from revffn.methods.full import FullMethod
+from revffn.methods.revffn import RevFFNMethod
+
+METHODS = {m.name: m for m in (RevFFNMethod, FullMethod)}
+
+
+def method_section_schema() -> dict:
+    """YAML section name -> {option: Key} for every registered method."""
+    return {name: m.SCHEMA for name, m in METHODS.items() if m.SCHEMA}

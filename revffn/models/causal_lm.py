@@ -1,0 +1,68 @@
+"""An unconverted HF causal LM behind the same forward contract as `RevFFNForCausalLM`.
+
+The baselines (full, ckpt, lora, dora, hift, refta) train through this wrapper, so every method
+shares one loss (chunked cross-entropy), one router load-balancing loss and one output type.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from revffn.models.convert import RevFFNOutput
+from revffn.models.loss import causal_lm_loss
+from revffn.models.spec import get_path, spec_for
+from revffn.reversible.coupling import SwitchAux
+from revffn.reversible.replay import RouterTap
+
+
+class CausalLM(nn.Module):
+    """Wraps an HF `*ForCausalLM` (possibly with PEFT layers injected): forward(input_ids,
+    attention_mask, labels, return_logits) -> RevFFNOutput with loss, loss_sum, n_tokens, aux_loss."""
+
+    def __init__(self, hf_model: nn.Module, aux_loss_coef: float | None = None):
+        super().__init__()
+        self.hf = hf_model
+        config = hf_model.config
+        self.spec = spec_for(hf_model)
+        self.aux_loss_coef = (getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss_coef is None \
+            else aux_loss_coef
+        self.chunk_tokens = 1024
+        self.num_experts = self.spec.num_experts(config)
+        self.top_k = getattr(config, self.spec.top_k_key, 0)
+        self._taps = []
+        for layer in get_path(hf_model, self.spec.layers):
+            router = getattr(getattr(layer, self.spec.mlp), self.spec.router, None)
+            if isinstance(router, nn.Module) and self.num_experts:
+                self._taps.append(RouterTap(router, self.num_experts, self.spec.router_logits_index))
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def routers(self) -> list[nn.Module]:
+        return [t.router for t in self._taps]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_logits: bool = True,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> RevFFNOutput:
+        backbone = get_path(self.hf, self.spec.layers.rsplit(".", 1)[0])
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        head = get_path(self.hf, self.spec.head)
+        out = RevFFNOutput()
+        if self.aux_loss_coef > 0 and self.spec.aux_loss and self._taps:
+            row_mask = None if attention_mask is None else attention_mask.reshape(-1).float()
+            trainable = torch.is_grad_enabled() and any(p.requires_grad for r in self.routers() for p in r.parameters())
+            aux = SwitchAux(self.num_experts, self.top_k, row_mask, differentiable=trainable)
+            for tap in self._taps:
+                aux.add(tap.logits if trainable else tap.logits.detach())
+            out.aux_loss = aux.value()
+        if labels is not None:
+            out.loss_sum, out.n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens)
+            out.loss = out.loss_sum / out.n_tokens.clamp(min=1)
+            if out.aux_loss is not None and out.aux_loss.requires_grad:
+                out.loss = out.loss + self.aux_loss_coef * out.aux_loss
+        if return_logits:
+            out.logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        return out

@@ -1,0 +1,1 @@
+"""Reports: per-run report (run_report.py), bench runner and rendering."""

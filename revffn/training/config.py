@@ -1,0 +1,286 @@
+"""Training config: the YAML schema, `key=value` overrides, and validation before anything is built.
+
+Every key has a type, a default and (for numbers) a range. `load_config` reads the file, applies
+overrides (dotted keys reach method sections: `revffn.adapter_warmup_steps=20`), and validates it
+all at once: one `UserError` lists every problem, each naming `FILE:LINE`, the key, the bad value
+and the fix. Nothing is allocated or written before this passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from revffn.errors import UserError, closest
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml"
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its type, default, allowed range or choices, and a one-line meaning."""
+
+    type: type | tuple
+    default: Any
+    help: str
+    min: float | None = None
+    min_exclusive: bool = False
+    max: float | None = None
+    choices: tuple | None = None
+    required: bool = False
+
+
+# Names follow LLaMA-Factory / TRL / HF TrainingArguments where one exists.
+SCHEMA: dict[str, Key] = {
+    "model": Key(str, None, "preset name (tiny-qwen2-moe, ...) or local HF model directory", required=True),
+    "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
+    "method": Key(str, "revffn", "fine-tuning method (see `revffn train --help-methods`)"),
+    "data": Key(str, None, "training data: JSON/JSONL file, or builtin:NAME", required=True),
+    "eval_data": Key((str, type(None)), None, "evaluation data (same formats); null for none"),
+    "output_dir": Key(str, None, "where config, metrics, checkpoints, final/ and the report go", required=True),
+    "overwrite": Key(bool, False, "allow starting a fresh run in an output_dir that holds one"),
+    "max_steps": Key(int, None, "optimizer steps to run", min=1, required=True),
+    "save_steps": Key(int, 0, "checkpoint every N steps (0: only the final model)", min=0),
+    "save_total_limit": Key(int, 2, "checkpoints kept (older ones are deleted)", min=1),
+    "eval_steps": Key(int, 0, "evaluate on eval_data every N steps (0: only at the end)", min=0),
+    "logging_steps": Key(int, 1, "log metrics every N steps", min=1),
+    "seed": Key(int, 0, "seed for init, data order and dropout"),
+    "resume": Key((bool, str), False, "false | true (latest checkpoint in output_dir) | a checkpoint path"),
+    "max_restarts": Key(int, 0, "restart from the last checkpoint after an unexpected crash, up to N times", min=0),
+    "per_device_train_batch_size": Key(int, 4, "examples per micro-batch", min=1),
+    "gradient_accumulation_steps": Key(int, 1, "micro-batches per optimizer step", min=1),
+    "learning_rate": Key(float, 1e-4, "peak learning rate", min=0, min_exclusive=True),
+    "lr_scheduler_type": Key(str, "cosine", "learning-rate schedule after warmup",
+                             choices=("cosine", "constant", "linear")),
+    "warmup_steps": Key(int, 0, "linear LR warmup steps", min=0),
+    "min_lr_ratio": Key(float, 0.0, "final LR as a fraction of the peak (cosine, linear)", min=0, max=1),
+    "weight_decay": Key(float, 0.0, "AdamW decoupled weight decay", min=0),
+    "adam_beta1": Key(float, 0.9, "AdamW beta1", min=0, max=1),
+    "adam_beta2": Key(float, 0.999, "AdamW beta2", min=0, max=1),
+    "adam_epsilon": Key(float, 1e-8, "AdamW epsilon", min=0, min_exclusive=True),
+    "max_grad_norm": Key(float, 1.0, "gradient clipping norm (0 disables)", min=0),
+    "max_seq_length": Key(int, 512, "truncate examples to this many tokens", min=2),
+    "packing": Key(bool, False, "pack examples into full-length rows"),
+    "dtype": Key(str, "auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16",
+                 choices=("auto", "float32", "bfloat16")),
+    "device": Key(str, "auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda")),
+    "router_aux_loss_coef": Key((float, type(None)), None, "router load-balancing loss weight (null: model's)",
+                                min=0),
+    "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)"),
+    "eval_max_new_tokens": Key(int, 48, "greedy tokens generated per example for exact-match eval", min=1),
+    "eval_generate_limit": Key(int, 64, "eval examples scored by exact match (0: none)", min=0),
+}
+
+
+@dataclass
+class TrainConfig:
+    """A validated config: `values` for the top-level keys, `sections` for method options."""
+
+    values: dict
+    sections: dict = field(default_factory=dict)
+    source: str = "<defaults>"
+
+    def __getattr__(self, name):
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def section(self, name: str) -> dict:
+        return dict(self.sections.get(name, {}))
+
+    def to_dict(self) -> dict:
+        return {**self.values, **{k: dict(v) for k, v in self.sections.items()}}
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line in the YAML text (for FILE:LINE messages)."""
+    lines: dict[str, int] = {}
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                lines[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+
+    walk(root, "")
+    return lines
+
+
+def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"config file {str(path)!r} not found. Fix: check the path, or run `revffn train` "
+                        "with no file for the built-in quickstart.") from None
+    except OSError as e:
+        raise UserError(f"config file {str(path)!r} cannot be read ({e.strerror}). Fix: check its permissions.") \
+            from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise UserError(f"{where}: YAML syntax error: {problem}. Fix: correct the YAML at that line "
+                        "(indentation, a missing ':' or an unclosed quote).") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the config must be a mapping of key: value, got {type(data).__name__}.")
+    return data, _key_lines(text)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`["a=1", "revffn.freeze_router=false"]` -> nested dict; values parsed as YAML scalars."""
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not key=value. Fix: write it as e.g. max_steps=100.")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _dotted(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        yield f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _dotted(v, f"{prefix}{k}.")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def coerce(value, key: Key):
+    """Accept what YAML users write: ints for floats, '1e-4' strings for floats."""
+    types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if float in types and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def check_value(name: str, value, key: Key) -> str | None:
+    """A problem description for `value`, or None if it is valid."""
+    types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if isinstance(value, bool) and bool not in types:
+        return f"{name}: expected {_type_names(types)}, got {value!r}."
+    if not isinstance(value, types):
+        return f"{name}: expected {_type_names(types)}, got {value!r} ({type(value).__name__})."
+    if key.choices and value not in key.choices:
+        return f"{name}: {value!r} is not one of {', '.join(map(str, key.choices))}.{closest(str(value), key.choices)}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}: must be a finite number, got {value!r}."
+        if key.min is not None and (value < key.min or (key.min_exclusive and value == key.min)):
+            op = ">" if key.min_exclusive else ">="
+            return f"{name}: must be {op} {key.min:g}, got {value!r}."
+        if key.max is not None and value > key.max:
+            return f"{name}: must be <= {key.max:g}, got {value!r}."
+    return None
+
+
+def _type_names(types) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null",
+             dict: "a mapping"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read, override and validate a training config. `path=None` is the built-in quickstart.
+
+    Raises:
+        UserError: listing every problem at once.
+    """
+    from revffn.methods import METHODS, method_section_schema
+
+    src = Path(path) if path is not None else QUICKSTART
+    data, lines = _read_yaml(src)
+    data = _merge(data, parse_overrides(overrides or []))
+    overridden = set(_dotted(parse_overrides(overrides or [])))
+
+    def where(k: str) -> str:
+        if k in overridden:
+            return "override: "
+        return f"{src}:{lines[k]}: " if k in lines else f"{src}: "
+
+    problems: list[str] = []
+    values, sections = {}, {}
+    section_schemas = method_section_schema()
+    for k, v in data.items():
+        if k in SCHEMA:
+            continue
+        if k in section_schemas:
+            if not isinstance(v, dict):
+                problems.append(f"{where(k)}{k}: must be a mapping of method options, got {v!r}.")
+                continue
+            sec = {}
+            for sk, sv in v.items():
+                full = f"{k}.{sk}"
+                if sk not in section_schemas[k]:
+                    problems.append(f"{where(full)}unknown key {full!r}.{closest(sk, section_schemas[k])} "
+                                    f"Known {k} keys: {', '.join(section_schemas[k])}.")
+                    continue
+                sv = coerce(sv, section_schemas[k][sk])
+                msg = check_value(full, sv, section_schemas[k][sk])
+                if msg:
+                    problems.append(where(full) + msg)
+                sec[sk] = sv
+            sections[k] = {sk: key.default for sk, key in section_schemas[k].items()} | sec
+        else:
+            known = list(SCHEMA) + list(section_schemas)
+            problems.append(f"{where(k)}unknown key {k!r}.{closest(k, known)} See README 'Config keys'.")
+    for k, key in SCHEMA.items():
+        if k not in data:
+            if key.required:
+                problems.append(f"{src}: missing required key {k!r} ({key.help}).")
+            values[k] = key.default
+            continue
+        v = coerce(data[k], key)
+        msg = check_value(k, v, key)
+        if msg:
+            problems.append(where(k) + msg)
+        values[k] = v
+    method = values.get("method")
+    if isinstance(method, str) and method not in METHODS:
+        problems.append(f"{where('method')}method: unknown method {method!r}.{closest(method, METHODS)} "
+                        f"Available: {', '.join(METHODS)}.")
+    for name, schema in section_schemas.items():
+        sections.setdefault(name, {sk: key.default for sk, key in schema.items()})
+    if problems:
+        head = f"{len(problems)} problem{'s' * (len(problems) > 1)} in the config:\n  - " if len(problems) > 1 else ""
+        raise UserError(head + "\n  - ".join(problems))
+    cfg = TrainConfig(values, sections, str(src))
+    if isinstance(method, str) and method in METHODS:
+        METHODS[method].validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

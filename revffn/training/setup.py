@@ -1,0 +1,128 @@
+"""Everything checked before a model is built: output dir, resume target, tokenizer, data.
+
+`prepare_run(cfg)` raises `UserError` for bad input and writes nothing; the loop only starts
+allocating once it returns.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from revffn.errors import UserError
+from revffn.models.loading import check_model_ref
+from revffn.models.presets import TINY_PRESETS
+from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
+             "events.jsonl")
+
+
+@dataclass
+class RunPlan:
+    run_dir: Path
+    resume_from: Path | None
+    device: torch.device
+    weights_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    tokenizer: object
+    train_set: object
+    eval_set: object | None
+    eval_examples: list | None
+
+
+def _holds_run(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any((run_dir / f).exists() for f in RUN_FILES)
+
+
+def resolve_resume(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None; refuses a resume that changed model or method."""
+    if cfg.resume is False:
+        return None
+    if cfg.resume is True:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise UserError(f"resume=true but {run_dir}/checkpoints holds no complete checkpoint. Fix: set "
+                            "resume=false (with overwrite=true to replace the run), or save_steps > 0 next time.")
+    else:
+        ckpt = Path(cfg.resume)
+        if not ckpt.is_dir():
+            raise UserError(f"resume: checkpoint {cfg.resume!r} not found. Fix: give a checkpoints/step-N "
+                            "directory, or resume=true for the latest one in output_dir.")
+    state = read_trainer_state(ckpt)
+    for key in ("model", "method"):
+        if state.get(key) != getattr(cfg, key):
+            raise UserError(f"resume: the checkpoint was trained with {key}={state.get(key)!r}, but the config "
+                            f"says {key}={getattr(cfg, key)!r}. Fix: resume with the same {key}, or start a new "
+                            "run in another output_dir.")
+    return ckpt
+
+
+def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
+    if resume_from is None and _holds_run(run_dir) and not cfg.overwrite:
+        raise UserError(f"output_dir: {str(run_dir)!r} already holds a run. Nothing was touched. Fix: set "
+                        "resume=true to continue it, overwrite=true to replace it, or choose another output_dir.")
+
+
+def clear_run(run_dir: Path, keep_events: bool = False) -> None:
+    """overwrite=true: remove a previous run's files (only ours); a restart keeps its event log."""
+    for name in RUN_FILES:
+        if keep_events and name == "events.jsonl":
+            continue
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
+    """(device, weights dtype, autocast dtype): bf16 on CUDA, fp32 on CPU unless dtype says otherwise."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda requested but no CUDA device is available. Fix: device=auto or device=cpu.")
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    autocast = torch.bfloat16 if (cuda and dtype == "bfloat16") else None
+    return device, weights, autocast
+
+
+def tokenizer_ref(cfg) -> str | None:
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    return None if cfg.model in TINY_PRESETS else cfg.model
+
+
+def prepare_run(cfg) -> RunPlan:
+    """Validate everything that can be validated without a model. Writes nothing."""
+    from revffn.data.collate import tokenize_dataset
+    from revffn.data.formats import load_examples
+    from revffn.data.tokenizer import load_tokenizer
+
+    check_model_ref(cfg.model)
+    run_dir = Path(cfg.output_dir)
+    resume_from = resolve_resume(cfg, run_dir)
+    check_output_dir(cfg, run_dir, resume_from)
+    device, weights, autocast = pick_device(cfg)
+    tokenizer = load_tokenizer(tokenizer_ref(cfg))
+    train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
+    eval_set = eval_examples = None
+    if cfg.eval_data:
+        eval_examples = load_examples(cfg.eval_data, "eval_data")
+        eval_set = tokenize_dataset(eval_examples, tokenizer, cfg.max_seq_length, False, "eval_data")
+    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, eval_examples)
+
+
+def model_overrides(cfg, tokenizer) -> dict:
+    """`model_config` overrides; presets are built with the tokenizer's vocabulary."""
+    extra = {"vocab_size": len(tokenizer)} if cfg.model in TINY_PRESETS else {}
+    return {**extra, **cfg.model_config}
+
+
+def saved_config_text(cfg) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

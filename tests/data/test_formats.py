@@ -1,0 +1,117 @@
+"""Dataset file parsing: every accepted format, JSON vs JSONL, builtin:, and the error messages."""
+
+import json
+
+import pytest
+
+from revffn.data.formats import load_examples
+from revffn.errors import UserError
+
+FORMATS = {
+    "alpaca": ({"instruction": "Add.", "input": "2 3", "output": "5", "system": "Be brief."},
+               [("system", "Be brief."), ("user", "Add.\n\n2 3"), ("assistant", "5")]),
+    "alpaca_no_input": ({"instruction": "Say hi.", "input": "", "output": "hi"},
+                        [("user", "Say hi."), ("assistant", "hi")]),
+    "sharegpt": ({"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "q1"},
+                                    {"from": "gpt", "value": "a1"}, {"from": "user", "value": "q2"},
+                                    {"from": "assistant", "value": "a2"}]},
+                 [("system", "S"), ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")]),
+    "messages": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+                 [("user", "q"), ("assistant", "a")]),
+    "prompt_completion": ({"prompt": "q", "completion": "a"}, [("user", "q"), ("assistant", "a")]),
+}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_format_normalises(name, write_jsonl):
+    record, expected = FORMATS[name]
+    (ex,) = load_examples(write_jsonl([record]))
+    assert [(m["role"], m["content"]) for m in ex["messages"]] == expected
+    assert ex["text"] is None
+    assert ex["answer"] == expected[-1][1]
+    assert ex["source"].endswith("train.jsonl:1")
+
+
+def test_turns_after_the_last_answer_are_dropped(write_jsonl):
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "?"}]
+    (ex,) = load_examples(write_jsonl([{"messages": msgs}]))
+    assert ex["messages"] == msgs[:2] and ex["answer"] == "a"
+
+
+def test_plain_text(write_jsonl):
+    (ex,) = load_examples(write_jsonl([{"text": "just prose"}]))
+    assert ex == {"messages": [], "text": "just prose", "source": ex["source"], "answer": None}
+
+
+def test_jsonl_skips_blank_lines_and_counts_lines(write_jsonl):
+    path = write_jsonl([{"text": "a"}, "", "   ", {"prompt": "q", "completion": "a"}])
+    examples = load_examples(path)
+    assert [e["source"].rsplit(":", 1)[1] for e in examples] == ["1", "4"]
+
+
+def test_json_list_gives_start_lines(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"text": "a"}, {"prompt": "q", "completion": "c"}], indent=2))
+    examples = load_examples(str(path))
+    assert [e["source"] for e in examples] == [f"{path}:2", f"{path}:5"]
+    assert examples[1]["answer"] == "c"
+
+
+def test_builtin():
+    examples = load_examples("builtin:quickstart_train")
+    assert len(examples) == 600 and examples[0]["source"] == "builtin:quickstart_train:1"
+    with pytest.raises(UserError, match="quickstart_train"):
+        load_examples("builtin:quickstart_trian")
+
+
+def _error(path, key="data") -> str:
+    with pytest.raises(UserError) as info:
+        load_examples(path, key=key)
+    return str(info.value)
+
+
+def test_missing_file_names_key_and_path(tmp_path):
+    msg = _error(str(tmp_path / "nope.jsonl"), key="eval_data")
+    assert msg.startswith("eval_data: file") and "nope.jsonl" in msg and "Fix" in msg
+
+
+GOOD = {"instruction": "i", "output": "o"}
+BAD_RECORDS = {
+    "malformed": ('{"instruction": "i", "output": }', ["invalid JSON"]),
+    "missing_output": ({"instruction": "i", "input": "x"}, ["'output'"]),
+    "missing_completion": ({"prompt": "q"}, ["'completion'"]),
+    "unknown_format": ({"question": "q", "answer": "a"}, ["question", "accepted formats"]),
+    "wrong_type": ({"instruction": "i", "output": 5}, ["'output'", "string", "int"]),
+    "bad_role": ({"messages": [{"role": "usr", "content": "q"}, {"role": "assistant", "content": "a"}]},
+                 ["messages[0]", "'usr'", "'user'"]),
+    "bad_from": ({"conversations": [{"from": "bot", "value": "x"}]}, ["conversations[0]", "'bot'"]),
+    "no_assistant": ({"messages": [{"role": "user", "content": "q"}]}, ["no assistant turn"]),
+    "assistant_first": ({"messages": [{"role": "assistant", "content": "a"}]}, ["starts with an assistant"]),
+    "not_object": ('["a", "b"]', ["expected a JSON object"]),
+    "text_not_str": ({"text": ["a"]}, ["'text'", "list"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECORDS)
+def test_bad_record_names_file_line_and_field(case, write_jsonl):
+    record, needles = BAD_RECORDS[case]
+    msg = _error(write_jsonl([GOOD, GOOD, record], name="bad.jsonl"))
+    assert "bad.jsonl:3" in msg and msg.startswith("data: ")
+    for needle in needles:
+        assert needle in msg
+
+
+def test_bad_json_list_element_and_syntax(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([GOOD, {"instruction": "x"}], indent=2))
+    msg = _error(str(path))
+    assert "bad.json:6" in msg and "'output'" in msg
+    path.write_text('[\n  {"text": "a"},\n  {"text": }\n]')
+    msg = _error(str(path))
+    assert "bad.json:3" in msg and "invalid JSON" in msg
+
+
+def test_empty_dataset(write_jsonl, tmp_path):
+    assert "no examples" in _error(write_jsonl(["", ""], name="empty.jsonl"))
+    (tmp_path / "empty.json").write_text("[]")
+    assert "empty.json" in _error(str(tmp_path / "empty.json"))

@@ -1,0 +1,196 @@
+"""The analytic memory model: parameter counts, scaling with depth, methods, sizes, calibration."""
+
+import math
+
+import pytest
+import torch
+
+from revffn.check import make_batch
+from revffn.errors import UserError
+from revffn.memory.estimate import (
+    config_presets,
+    count_params,
+    estimate,
+    fits,
+    format_estimate,
+    load_config,
+    parse_size,
+)
+from revffn.memory.measure import SavedTensorLog
+from revffn.models.convert import convert
+from revffn.models.loss import causal_lm_loss
+from revffn.models.presets import tiny_model
+from tests.conftest import GENERIC, REQUIRED
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("name", [*REQUIRED, GENERIC])
+def test_param_counts_match_real_tiny_models(name):
+    for layers in (2, 3):
+        model = tiny_model(name, num_hidden_layers=layers)
+        counts = count_params(load_config(name, num_hidden_layers=layers))
+        assert counts["total"] == sum(p.numel() for p in model.parameters())
+        adapters = sum(p.numel() for p in convert(model).adapter_parameters())
+        assert counts["adapters_revffn"] == adapters
+
+
+def test_param_counts_dense_layers_and_tied_head():
+    for name, kw in [("tiny-qwen2-moe", dict(mlp_only_layers=[1], num_hidden_layers=3)),
+                     ("tiny-qwen3-moe", dict(decoder_sparse_step=2, num_hidden_layers=4, tie_word_embeddings=True))]:
+        counts = count_params(load_config(name, **kw))
+        assert counts["dense_mlp"] > 0
+        assert counts["total"] == sum(p.numel() for p in tiny_model(name, **kw).parameters())
+
+
+@pytest.mark.parametrize("name,billions", [("qwen1.5-moe-a2.7b", 14.3), ("mixtral-8x7b", 46.7),
+                                            ("olmoe-1b-7b", 6.9), ("qwen3-30b-a3b", 30.5)])
+def test_public_presets_param_counts(name, billions):
+    assert name in config_presets()
+    total = count_params(load_config(name))["total"]
+    assert abs(total / 1e9 - billions) <= 0.01 * billions, total
+
+
+def test_revffn_activations_flat_in_depth_full_grows():
+    def acts(method, layers):
+        est = estimate(load_config("qwen1.5-moe-a2.7b", num_hidden_layers=layers), method, 8, 2048, "bfloat16")
+        return est["activations"] - est["routing_records"]
+
+    assert acts("revffn", 32) <= 1.05 * acts("revffn", 4)
+    assert 7.0 <= acts("full", 32) / acts("full", 4) <= 8.0
+    assert acts("ckpt", 32) < acts("full", 32) / 4
+
+
+def test_revffn_cheaper_than_full_at_scale():
+    config = load_config("qwen1.5-moe-a2.7b")
+    for dtype in ("float32", "bfloat16"):
+        full, rev = (estimate(config, m, 8, 2048, dtype) for m in ("full", "revffn"))
+        assert rev["total"] < full["total"]
+        assert rev["total_params"] > full["total_params"]  # + the adapters
+        assert rev["trainable_params"] == rev["total_params"] - count_params(config)["router"]
+        records = rev["routing_records"]
+        assert records == 24 * 8 * 2048 * 4  # uint8 per token and choice, per MoE layer
+        assert full["total"] == sum(full[k] for k in ("weights", "grads", "optimizer_states", "activations",
+                                                      "logits", "overhead"))
+
+
+def test_precision_and_optimizer_bytes():
+    config = load_config("olmoe-1b-7b")
+    est = estimate(config, "full", 1, 512, "bfloat16")
+    n = est["trainable_params"]
+    assert est["weights"] == 2 * n and est["grads"] == 2 * n and est["optimizer_states"] == 8 * n
+    assert estimate(config, "full", 1, 512)["weights"] == 4 * n
+    assert estimate(config, "full", 1, 512, optimizer="sgd")["optimizer_states"] == 0
+    assert est["logits"] == 511 * 50304 * 4 * 2
+    assert estimate(config, "full", 8, 2048)["logits"] == 1024 * 50304 * 4 * 2
+    assert any("5%" in note for note in est["notes"])
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 5])
+def test_hift_states_about_one_over_k(group_size):
+    config = load_config("qwen1.5-moe-a2.7b")
+    full = estimate(config, "full", 4, 1024, "bfloat16")
+    hift = estimate(config, "hift", 4, 1024, "bfloat16", group_size=group_size)
+    k = math.ceil((config.num_hidden_layers + 2) / group_size)
+    ratio = hift["optimizer_states"] / full["optimizer_states"]
+    assert 0.5 / k <= ratio <= 2.0 / k
+    assert hift["activations"] == full["activations"]
+
+
+def test_peft_methods_train_few_params():
+    config = load_config("mixtral-8x7b")
+    full = estimate(config, "full", 1, 2048, "bfloat16")
+    for method in ("lora", "dora", "refta"):
+        est = estimate(config, method, 1, 2048, "bfloat16")
+        assert est["trainable_params"] < 0.05 * full["trainable_params"]
+        assert est["activations"] > full["activations"]
+        assert est["total"] < full["total"]
+    lora8, lora32 = (estimate(config, "lora", 1, 2048, rank=r)["trainable_params"] for r in (8, 32))
+    assert lora32 == 4 * lora8
+    assert estimate(config, "dora", 1, 2048)["trainable_params"] > estimate(config, "lora", 1, 2048)["trainable_params"]
+
+
+def test_eager_attention_keeps_probabilities():
+    config = load_config("qwen3-30b-a3b")
+    sdpa = estimate(config, "full", 1, 4096, "bfloat16")["activations"]
+    eager = estimate(config, "full", 1, 4096, "bfloat16", attn_implementation="eager")["activations"]
+    assert eager - sdpa >= 48 * 32 * 4096 * 4096 * 4
+
+
+def test_parse_size_and_fits():
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("80gib") == 80 * GiB
+    assert parse_size(" 512 MiB ") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("24000mb") == 24 * 10**9
+    for bad in ("80", "lots", "80 GX", "", "GB"):
+        with pytest.raises(UserError, match="--gpu-mem"):
+            parse_size(bad)
+    assert fits(79 * 10**9, "80GB") and not fits(81 * 10**9, "80GB")
+
+
+def test_unknown_preset_method_and_option():
+    with pytest.raises(UserError) as err:
+        load_config("qwen1.5-moe")
+    assert "qwen1.5-moe-a2.7b" in str(err.value) and "tiny-qwen2-moe" in str(err.value)
+    config = load_config("tiny-olmoe")
+    with pytest.raises(UserError, match="method"):
+        estimate(config, "fulll", 1, 8)
+    with pytest.raises(UserError, match="rank"):
+        estimate(config, "full", 1, 8, rank=4)
+    with pytest.raises(UserError, match="dtype"):
+        estimate(config, "full", 1, 8, dtype="float8")
+
+
+def test_load_config_from_directory(tmp_path):
+    load_config("tiny-mixtral", num_hidden_layers=3).save_pretrained(tmp_path)
+    config = load_config(str(tmp_path))
+    assert config.model_type == "mixtral" and config.num_hidden_layers == 3
+    assert count_params(config)["total"] == count_params(load_config("tiny-mixtral", num_hidden_layers=3))["total"]
+
+
+def test_format_estimate():
+    est = estimate(load_config("qwen1.5-moe-a2.7b"), "revffn", 8, 2048, "bfloat16")
+    text = format_estimate(est, "80GB")
+    assert "fits on this GPU (80GB): no" in text and "incl. routing records" in text and "GiB" in text
+    small = estimate(load_config("tiny-qwen2-moe"), "full", 2, 64)
+    assert "fits on this GPU (80GB): yes" in format_estimate(small, "80GB")
+    assert "fits" not in format_estimate(small, None)
+
+
+# -- calibration against SavedTensorLog on the tiny presets --------------------------------------
+B, T = 2, 64
+
+
+def _measured_full(name: str, layers: int) -> int:
+    hf = tiny_model(name, num_hidden_layers=layers)
+    hf.train()
+    ids, mask, labels = make_batch(hf.config.vocab_size, B, T, 0)
+    log = SavedTensorLog(hf.parameters())
+    with log.hooks():
+        causal_lm_loss(hf.model(input_ids=ids, attention_mask=mask).last_hidden_state, hf.lm_head, labels)
+    return log.bytes()
+
+
+def _measured_revffn(name: str, layers: int, reversible: bool = True) -> int:
+    model = convert(tiny_model(name, num_hidden_layers=layers))
+    model.train()
+    model.reversible = reversible
+    ids, mask, labels = make_batch(model.config.vocab_size, B, T, 0)
+    log = SavedTensorLog(model.parameters())
+    with log.hooks():
+        model(ids, attention_mask=mask, labels=labels, return_logits=False)
+    return log.bytes()
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_calibration_against_saved_tensor_log(name):
+    config = load_config(name, num_hidden_layers=1)
+    full = estimate(config, "full", B, T)["activations"]
+    assert full == pytest.approx(_measured_full(name, 1), rel=0.15)
+    rev = estimate(config, "revffn", B, T, freeze_router=False)  # the measured model's router is trainable
+    assert rev["activations_forward"] == pytest.approx(_measured_revffn(name, 1), rel=0.15)
+    # one layer's working set = what one more layer adds to the plain-autograd twin
+    layer = _measured_revffn(name, 2, reversible=False) - _measured_revffn(name, 1, reversible=False)
+    assert rev["recompute_working_set"] == pytest.approx(layer, rel=0.15)
+    assert torch.get_default_dtype() == torch.float32

@@ -1,0 +1,138 @@
+"""Bad input: one clear message naming FILE:LINE or the key, exit code 2, nothing written."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from revffn import cli
+
+
+def _cfg(tmp_path: Path, **over) -> Path:
+    data = tmp_path / "train.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"ok {i}"}) + "\n" for i in range(8)))
+    cfg = {"model": "tiny-qwen2-moe", "method": "revffn", "data": str(data), "output_dir": str(tmp_path / "run"),
+           "max_steps": 2, "save_steps": 1, "revffn": {"adapter_warmup_steps": 1}, "max_seq_length": 64}
+    cfg.update(over)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _fails(capsys, argv, *needles):
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    return err
+
+
+def test_missing_config(tmp_path, capsys):
+    _fails(capsys, ["train", str(tmp_path / "nope.yaml")], "nope.yaml", "not found")
+
+
+def test_unreadable_config(tmp_path, capsys):
+    d = tmp_path / "dir.yaml"
+    d.mkdir()
+    _fails(capsys, ["train", str(d)], "dir.yaml", "cannot be read")
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: tiny-qwen2-moe\nmethod: revffn\ndata: [unclosed\nmax_steps: 3\n")
+    _fails(capsys, ["train", str(p)], "bad.yaml:", "YAML syntax error")
+
+
+def test_unknown_key_suggests_closest(tmp_path, capsys):
+    p = _cfg(tmp_path, learning_rat=0.1)
+    _fails(capsys, ["train", str(p)], "learning_rat", "Did you mean 'learning_rate'", "cfg.yaml:")
+
+
+def test_unknown_method_key_suggests_closest(tmp_path, capsys):
+    p = _cfg(tmp_path, revffn={"adapter_warmup_step": 1})
+    _fails(capsys, ["train", str(p)], "revffn.adapter_warmup_step", "adapter_warmup_steps")
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("max_steps", 0, "max_steps: must be >= 1"),
+    ("max_steps", "ten", "max_steps: expected an integer"),
+    ("learning_rate", -1e-3, "learning_rate: must be > 0"),
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size: must be >= 1"),
+    ("lr_scheduler_type", "cosin", "Did you mean 'cosine'"),
+])
+def test_wrong_type_or_range(tmp_path, capsys, key, value, needle):
+    p = _cfg(tmp_path, **{key: value})
+    _fails(capsys, ["train", str(p)], needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_all_problems_reported_at_once(tmp_path, capsys):
+    p = _cfg(tmp_path, max_steps=0, learning_rate=-1.0, foo=1)
+    err = _fails(capsys, ["train", str(p)], "3 problems", "max_steps", "learning_rate", "foo")
+    assert err.count(" - ") >= 3
+
+
+def test_override_errors_and_overrides_win(tmp_path, capsys):
+    p = _cfg(tmp_path)
+    _fails(capsys, ["validate", str(p), "max_steps=-4"], "override", "max_steps")
+    assert cli.main(["validate", str(p), "max_steps=7", "revffn.adapter_warmup_steps=3"]) == 0
+
+
+def test_missing_data_file(tmp_path, capsys):
+    p = _cfg(tmp_path, data=str(tmp_path / "missing.jsonl"))
+    _fails(capsys, ["train", str(p)], "missing.jsonl", "data")
+    assert not (tmp_path / "run").exists()
+
+
+def test_malformed_json_line(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": broken}\n')
+    _fails(capsys, ["train", str(_cfg(tmp_path))], "train.jsonl:2")
+
+
+def test_example_missing_fields(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": "ok"}\n{"instruction": "no output here"}\n')
+    _fails(capsys, ["train", str(_cfg(tmp_path))], "train.jsonl:3", "output")
+
+
+def test_empty_after_truncation(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"instruction": "word " * 200, "output": "x"}) + "\n")
+    _fails(capsys, ["train", str(_cfg(tmp_path, max_seq_length=16))], "max_seq_length")
+
+
+def test_unknown_method_and_preset(tmp_path, capsys):
+    _fails(capsys, ["train", str(_cfg(tmp_path, method="revfn"))], "revfn", "Did you mean 'revffn'")
+    _fails(capsys, ["train", str(_cfg(tmp_path, model="tiny-qwen2-mo"))], "tiny-qwen2-mo", "tiny-qwen2-moe")
+
+
+def test_model_dir_without_config_json(tmp_path, capsys):
+    d = tmp_path / "empty_model"
+    d.mkdir()
+    _fails(capsys, ["train", str(_cfg(tmp_path, model=str(d)))], "config.json")
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    _fails(capsys, ["train", str(_cfg(tmp_path, resume=True))], "resume", "no complete checkpoint")
+
+
+def test_refuses_existing_run_and_touches_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("precious\n")
+    _fails(capsys, ["train", str(_cfg(tmp_path))], "already holds a run", "overwrite=true")
+    assert (run / "metrics.jsonl").read_text() == "precious\n"
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_with_changed_model_or_method(tmp_path, capsys):
+    ck = tmp_path / "run" / "checkpoints" / "step-1"
+    ck.mkdir(parents=True)
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 1, "model": "tiny-qwen2-moe", "method": "full"}))
+    _fails(capsys, ["train", str(_cfg(tmp_path, resume=True))], "method='full'", "method='revffn'")
+    _fails(capsys, ["train", str(_cfg(tmp_path, resume=True, method="full", model="tiny-olmoe"))],
+           "model='tiny-qwen2-moe'")

@@ -1,0 +1,101 @@
+"""Exact resume after kill -9 (mid-step and mid-checkpoint), auto-restart, NaN stop."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+BASE = {
+    "model": "tiny-qwen2-moe", "method": "revffn", "data": "builtin:quickstart_train",
+    "max_steps": 10, "save_steps": 3, "save_total_limit": 2, "logging_steps": 1, "seed": 3,
+    "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_seq_length": 48,
+    "learning_rate": 2e-3, "warmup_steps": 2, "revffn": {"adapter_warmup_steps": 4},  # boundary at step 5
+}
+
+
+def _write(tmp: Path, name: str, **over) -> Path:
+    cfg = {**BASE, "output_dir": str(tmp / name), **over}
+    p = tmp / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _train(cfg: Path, *over, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.pop("REVFFN_FAULT", None)
+    if fault:
+        env["REVFFN_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "revffn", "train", str(cfg), *over], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    proc = _train(_write(tmp, "ref"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = _losses(tmp / "ref")
+    assert sorted(losses) == list(range(1, 11))
+    return losses
+
+
+@pytest.mark.parametrize("fault,expect_ckpt", [("kill@step:8", 6), ("kill@save:9", 6)])
+def test_kill_and_resume_reproduces_losses(tmp_path, reference, fault, expect_ckpt):
+    cfg = _write(tmp_path, "run")
+    first = _train(cfg, fault=fault)
+    assert first.returncode == -9, first.stderr[-2000:]  # SIGKILL
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert ckpts[-1].name == f"step-{expect_ckpt}"
+    second = _train(cfg, "resume=true")
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed = _losses(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, 11))
+    for step, loss in reference.items():
+        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_auto_restart_after_crash(tmp_path, reference):
+    cfg = _write(tmp_path, "run", max_restarts=1)
+    proc = _train(cfg, fault="raise@step:7")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "restart" and events[0]["from_step"] == 6
+    assert "restart 1/1" in proc.stderr
+    losses = _losses(tmp_path / "run")
+    for step, loss in reference.items():
+        assert abs(losses[step] - loss) <= 1e-6
+
+
+def test_crash_without_restarts_exits_1(tmp_path):
+    proc = _train(_write(tmp_path, "run", max_steps=6), fault="raise@step:2")
+    assert proc.returncode == 1
+    assert "injected fault" in proc.stderr
+    assert (tmp_path / "run" / "report.md").exists()  # the report is written on error too
+
+
+def test_nan_loss_stops_with_exit_1_and_keeps_checkpoint(tmp_path):
+    cfg = _write(tmp_path, "run", learning_rate=1e30, warmup_steps=0, save_steps=1, max_grad_norm=0.0,
+                 max_steps=6, revffn={"adapter_warmup_steps": 0})
+    proc = _train(cfg)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "diverged" in proc.stderr and "nan" in proc.stderr.lower()
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert ckpts, "the last good checkpoint must survive"
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpts[-1] / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "diverged" in report
