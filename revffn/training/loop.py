@@ -88,6 +88,11 @@ def train(cfg, restarts: int = 0) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(saved_config_text(cfg))
         (run_dir / "metrics.jsonl").write_text("")
+    else:  # resuming, possibly from a checkpoint path into a fresh output_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not (run_dir / "config.yaml").exists():
+            (run_dir / "config.yaml").write_text(saved_config_text(cfg))
+        (run_dir / "metrics.jsonl").touch()
     clean_partial(run_dir)
     summary: dict = {"status": "running", "restarts": restarts}
     try:
@@ -162,7 +167,7 @@ def train(cfg, restarts: int = 0) -> dict:
                 rec = {"step": step, "stage": stage, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
                        "tokens_per_s": tokens_since / dt, "peak_mem_bytes": peak_memory_bytes(device)}
                 if out.aux_loss is not None:
-                    rec["aux_loss"] = float(out.aux_loss)
+                    rec["aux_loss"] = float(out.aux_loss.detach())
                 rec.update(method.log_metrics(model, optimizer))
                 if plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
                     rec["eval_loss"] = eval_loss(model, plan.eval_set, bsz, pad_id, device, autocast)

@@ -1,0 +1,232 @@
+"""Shared code of `lora` and `dora`: adapters injected by the real `peft` library.
+
+Targets are resolved against the loaded model:
+
+- `nn.Linear` modules (attention q/k/v/o, the shared expert's or a dense MLP's gate/up/down) go to
+  `LoraConfig.target_modules` (peft's `lora.Linear`, DoRA-capable);
+- fused expert tensors (transformers 5 stores `mlp.experts.gate_up_proj` (E, 2I, d) and
+  `mlp.experts.down_proj` (E, d, I) as 3-D parameters) and the router weight (`mlp.gate.weight`, a
+  non-Linear module) go to `LoraConfig.target_parameters` (peft's `lora.ParamWrapper`: a rank-r
+  adapter per expert). peft's ParamWrapper refuses `use_dora`, `lora_dropout > 0` and `lora_bias`,
+  so DoRA covers only the Linear modules, and LoRA with dropout must leave the parameters out.
+
+peft 0.21 on transformers 5 rewrites v4 expert names in `target_modules` (`gate_proj`, `up_proj`,
+`down_proj`, `w1`-`w3`, `gate`) to the fused expert parameters for the model types transformers
+converts (qwen3_moe, olmoe, mixtral, glm4_moe, ...; not qwen2_moe), which would silently skip a
+shared-expert or dense-MLP Linear of that name (glm4_moe) and double the experts' rank. `v4_rewrites`
+finds those names first: LoRA adapts those Linears through their `.weight` parameter instead (the
+same update), DoRA leaves them out (recorded as `not_covered` in revffn.json).
+
+The trained model is `CausalLM(hf)` with the adapters injected in place; the `PeftModel` stays on
+the method for `save_pretrained` (adapters) and `merge_and_unload` (the merged HF model).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from pathlib import Path
+
+from torch import nn
+
+from revffn.errors import UserError
+from revffn.methods.base import set_requires_grad, write_manifest
+from revffn.models.causal_lm import CausalLM
+from revffn.models.spec import spec_for
+from revffn.training.config import Key
+
+# Linear modules (suffixes of module names): attention and shared-expert / dense-MLP projections.
+DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_MARK = "lora_"  # lora_A, lora_B, lora_magnitude_vector (DoRA)
+
+
+def peft_schema() -> dict:
+    return {
+        "r": Key(int, 16, "adapter rank (more capacity, more adapter memory)", min=1),
+        "lora_alpha": Key(float, 32.0, "scale numerator: the update is (lora_alpha / r) * B A", min=0,
+                          min_exclusive=True),
+        "lora_dropout": Key(float, 0.0, "dropout on the adapter input (Linear targets only)",
+                            min=0, max=1),
+        "target_modules": Key((list, type(None)), None, "module/parameter name suffixes to adapt (null: defaults)"),
+        "include_router": Key(bool, False, "also adapt the MoE router weights (mlp.gate)"),
+    }
+
+
+def _linear_names(hf: nn.Module) -> list[str]:
+    return [n for n, m in hf.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _matches(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+def _layer_relative(name: str, layers_path: str) -> str:
+    """'model.layers.3.mlp.experts.down_proj' -> 'mlp.experts.down_proj' (peft matches by suffix)."""
+    m = re.match(rf"^{re.escape(layers_path)}\.\d+\.(.+)$", name)
+    return m.group(1) if m else name
+
+
+def resolve_targets(hf: nn.Module, targets: list[str] | None, include_router: bool,
+                    allow_parameters: bool, method: str) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) for peft, from the model's actual modules and parameters.
+
+    A name matches by suffix (as in peft). Linear modules become module targets; parameters not owned
+    by a Linear (fused experts, the router weight) become parameter targets, if `allow_parameters`.
+    """
+    spec = spec_for(hf)
+    linears = set(_linear_names(hf))
+    loose = {n: p for n, p in hf.named_parameters() if n.rsplit(".", 1)[0] not in linears and p.ndim in (2, 3)}
+    router = f"{spec.mlp}.{spec.router}"
+
+    def is_router(n: str) -> bool:
+        return _matches(n, router) or _matches(n, f"{router}.weight")
+
+    if targets is None:
+        modules = [t for t in DEFAULT_MODULES if any(_matches(n, t) for n in linears)]
+        # every fused (3-D) expert tensor, named relative to its decoder layer
+        parameters = sorted({_layer_relative(n, spec.layers) for n, p in loose.items() if p.ndim == 3}) \
+            if allow_parameters else []
+    else:
+        modules, parameters = [], []
+        for t in targets:
+            hit_module = [n for n in linears if _matches(n, t)]
+            hit_param = [n for n in loose if _matches(n, t)]
+            if any(map(is_router, hit_module + hit_param)) and not include_router:
+                raise UserError(f"{method}.target_modules: {t!r} matches the router ({router}). Fix: set "
+                                f"{method}.include_router: true to adapt it, or drop {t!r}.")
+            if hit_module:
+                modules.append(t)
+            if hit_param and allow_parameters:
+                parameters.append(t)
+            if not hit_module and not (hit_param and allow_parameters):
+                why = (f" It names a non-Linear parameter, which peft's ParamWrapper cannot adapt with {method}."
+                       if hit_param else "")
+                raise UserError(f"{method}.target_modules: {t!r} matches no nn.Linear module in "
+                                f"{spec.model_type}.{why} Fix: use names like {', '.join(DEFAULT_MODULES[:4])}, "
+                                "or null for the defaults.")
+    if include_router:
+        if any(is_router(n) for n in linears):
+            modules.append(router)
+        elif any(is_router(n) for n in loose) and allow_parameters:
+            parameters.append(f"{router}.weight")
+        elif any(is_router(n) for n in loose):
+            raise UserError(f"{method}.include_router: the router ({router}) is not an nn.Linear, and peft's "
+                            f"parameter adapters (ParamWrapper) refuse {method}. Fix: set include_router: false, "
+                            "or use method lora.")
+    if not modules and not parameters:
+        raise UserError(f"{method}: no target found in {spec.model_type}. Fix: set {method}.target_modules.")
+    return list(dict.fromkeys(modules)), list(dict.fromkeys(parameters))
+
+
+def v4_rewrites(config, hf: nn.Module) -> set[str]:
+    """Module targets that peft (0.21, transformers 5) would silently rewrite to fused-expert parameters.
+
+    Runs peft's own v4 -> v5 config mapping on a copy of the config (see the module docstring).
+    """
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        probe = copy.deepcopy(config)
+        convert_peft_config_for_transformers(probe, model=hf, conversions=get_model_conversion_mapping(hf))
+    except Exception:  # older peft/transformers: no such mapping, nothing is rewritten
+        return set()
+    return set(config.target_modules or []) - set(probe.target_modules or [])
+
+
+class PeftMethod:
+    """LoRA-family method; subclasses set `name`, `SCHEMA` and `use_dora`."""
+
+    name = "peft"
+    SCHEMA: dict = {}
+    use_dora = False
+
+    def __init__(self, cfg):
+        self.cfg, self.opts = cfg, cfg.section(self.name)
+        self.peft_model = None
+        self.targets: tuple[list[str], list[str]] = ([], [])
+        self.not_covered: list[str] = []
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        opts = cfg.section(cls.name)
+        tm = opts["target_modules"]
+        if tm is not None and (not tm or not all(isinstance(t, str) and t for t in tm)):
+            raise UserError(f"{cls.name}.target_modules: expected a non-empty list of names or null, got {tm!r}.")
+
+    def prepare(self, hf_model: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        o, model_type = self.opts, hf_model.config.model_type
+        modules, parameters = resolve_targets(hf_model, o["target_modules"], o["include_router"],
+                                              allow_parameters=not self.use_dora, method=self.name)
+
+        def lora_config(mods, params):
+            return LoraConfig(r=o["r"], lora_alpha=o["lora_alpha"], lora_dropout=o["lora_dropout"],
+                              target_modules=mods, target_parameters=params or None, use_dora=self.use_dora,
+                              bias="none")
+
+        moved = sorted(v4_rewrites(lora_config(modules, parameters), hf_model))
+        if moved:
+            modules = [t for t in modules if t not in moved]
+            if not self.use_dora:  # adapt those Linears through their weight parameter instead (same update)
+                parameters = [*parameters, *(f"{t}.weight" for t in moved)]
+                moved = []
+            elif o["target_modules"] is not None:
+                raise UserError(f"{self.name}.target_modules: peft would silently retarget {moved} to the fused "
+                                f"expert parameters of {model_type} (its transformers-v4 mapping), which DoRA "
+                                "cannot adapt. Fix: drop them from target_modules.")
+        if not modules and not parameters:
+            raise UserError(f"{self.name}: no target left for {model_type}. Fix: set {self.name}.target_modules.")
+        if parameters and o["lora_dropout"] > 0:
+            raise UserError(f"{self.name}.lora_dropout={o['lora_dropout']} cannot apply to the parameter targets "
+                            f"{parameters} (peft's ParamWrapper has no dropout). Fix: set lora_dropout: 0, or "
+                            "list only Linear modules in target_modules.")
+        self.targets, self.not_covered = (modules, parameters), moved  # not_covered: DoRA defaults left out
+        with warnings.catch_warnings():  # peft probes HF's deprecated gradient-checkpointing attribute
+            warnings.simplefilter("ignore", FutureWarning)
+            self.peft_model = get_peft_model(hf_model, lora_config(modules, parameters))
+        # CausalLM after injection: an adapted router is tapped through its wrapper, so the
+        # load-balancing loss reaches the router's adapter.
+        return CausalLM(hf_model, self.cfg.router_aux_loss_coef)
+
+    def optimizer_parameters(self, model) -> list[nn.Parameter]:
+        return [p for n, p in model.named_parameters() if ADAPTER_MARK in n]
+
+    def set_trainable(self, model, step: int, optimizer=None) -> str:
+        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
+        return self.name
+
+    def schedule_position(self, step: int) -> int:
+        return step
+
+    def schedule_length(self, max_steps: int) -> int:
+        return max_steps
+
+    def after_step(self, step, model, optimizer) -> None:
+        pass
+
+    def log_metrics(self, model, optimizer) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def export(self, model, out_dir: Path) -> None:
+        """`adapter/`: peft `save_pretrained`; out_dir itself: the merged HF model (format hf).
+
+        Merges in place (`merge_and_unload`), so the model the loop holds afterwards is the merged one.
+        """
+        self.peft_model.save_pretrained(out_dir / "adapter")
+        merged = self.peft_model.merge_and_unload()
+        if self.opts["include_router"]:  # the router taps sat on the removed wrappers: re-tap
+            model._taps = CausalLM(merged, model.aux_loss_coef)._taps
+        merged.save_pretrained(out_dir)
+        modules, parameters = self.targets
+        write_manifest(out_dir, format="hf", method=self.name, adapter_dir="adapter", r=self.opts["r"],
+                       lora_alpha=self.opts["lora_alpha"], target_modules=modules, target_parameters=parameters,
+                       not_covered=self.not_covered)
