@@ -1,0 +1,43 @@
+"""The quickstart as a user runs it (shortened here; the full run is marked slow)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "revffn", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_quickstart_short_leaves_every_output(tmp_path):
+    out = tmp_path / "qs"
+    proc = _run("train", f"output_dir={out}", "max_steps=30", "save_steps=10", "eval_steps=10", "logging_steps=5",
+                "revffn.adapter_warmup_steps=5", "per_device_train_batch_size=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "memory.png", "final/model.safetensors",
+                 "final/revffn.json", "final/tokenizer.json", "checkpoints/step-20", "checkpoints/step-10"):
+        assert (out / name).exists(), name
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "stage", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"} <= set(rows[0])
+    assert any("eval_loss" in r for r in rows)
+    assert [r["stage"] for r in rows][0] == "warmup" and rows[-1]["stage"] == "joint"
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    gen = _run("generate", str(out / "final"), "--prompt", "Reverse: red blue cat", "--max-new-tokens", "8")
+    assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt
+    again = _run("train", f"output_dir={out}", "max_steps=30")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+@pytest.mark.slow
+def test_full_quickstart_learns_the_task(tmp_path):
+    out = tmp_path / "qs"
+    assert _run("train", f"output_dir={out}", timeout=900).returncode == 0
+    ev = _run("eval", str(out / "final"), "--data", "builtin:quickstart_test", "--json")
+    report = json.loads(ev.stdout)
+    before = json.loads(_run("eval", "tiny-qwen2-moe", "--data", "builtin:quickstart_test", "--json").stdout)
+    print("exact match before", before["exact_match"], "after", report["exact_match"])
+    assert report["exact_match"] >= 0.9 > before["exact_match"]
+    gen = _run("generate", str(out / "final"), "--prompt", "Reverse: red blue cat")
+    assert gen.stdout.strip() == "cat blue red"
