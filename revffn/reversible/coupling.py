@@ -49,12 +49,17 @@ class StackContext:
     stats: dict = field(default_factory=dict)  # filled by RevStackFunction: record bytes and storages
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [*self.position_embeddings, *self.masks.values()]
+        aux = self.aux.tensors() if self.aux is not None else []
+        return [*self.position_embeddings, *self.masks.values(), *aux]
 
     def with_tensors(self, tensors: list[torch.Tensor | None]) -> StackContext:
+        """A copy whose tensors are `tensors` (same order as `tensors()`): lets the autograd Function
+        keep them in save_for_backward and only plain Python state on ctx."""
         keys = list(self.masks)
-        cos, sin, *masks = tensors
-        return StackContext((cos, sin), dict(zip(keys, masks)), self.autocast, self.aux, self.needs_rng,
+        cos, sin, *rest = tensors
+        masks, aux_t = rest[: len(keys)], rest[len(keys) :]
+        aux = self.aux.with_tensors(aux_t) if self.aux is not None else None
+        return StackContext((cos, sin), dict(zip(keys, masks)), self.autocast, aux, self.needs_rng,
                             self.replay_routing, self.probe, self.stats)
 
 
@@ -93,6 +98,14 @@ class SwitchAux:
         self.tokens = counts if self.tokens is None else self.tokens + counts
         self.probs = mass if self.probs is None else self.probs + mass
         self.rows = self.rows + n
+
+    def tensors(self) -> list:
+        rows = self.rows if isinstance(self.rows, torch.Tensor) else torch.tensor(float(self.rows))
+        return [self.tokens, rows, self.row_mask]
+
+    def with_tensors(self, tensors: list) -> SwitchAux:
+        tokens, rows, row_mask = tensors
+        return SwitchAux(self.num_experts, self.top_k, row_mask, tokens, None, rows, self.differentiable)
 
     def value(self) -> torch.Tensor:
         if self.tokens is None:
