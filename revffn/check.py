@@ -17,7 +17,6 @@ import torch
 
 from revffn.memory.measure import saved_bytes_of_stack
 from revffn.models.convert import convert
-from revffn.models.loading import load_hf
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
 
@@ -55,17 +54,24 @@ def _flat(grads: dict, names) -> torch.Tensor:
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
               seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
-              stream_dtype: torch.dtype = torch.float32) -> dict:
-    """Run the consistency check; returns the report dict (see module docstring)."""
-    overrides = {} if layers is None else {"num_hidden_layers": layers}
-    hf32 = load_hf(model, dtype=torch.float32, seed=seed, **overrides)
+              stream_dtype: torch.dtype = torch.float32, device: str = "cpu", hidden: int | None = None) -> dict:
+    """Run the consistency check; returns the report dict (see module docstring).
+
+    `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;
+    `hidden` scales its widths (as `revffn bench --hidden`). `device`: cpu | cuda | auto."""
+    from revffn.reports.bench_model import build_hf, config_overrides
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    overrides = config_overrides(model, layers, hidden, shipped_vocab=False)
+    hf32 = build_hf(model, torch.float32, seed, dev, **overrides).to(dev)
     hf32.train()
     low = dtype in ("bfloat16", "bf16")
     if low:  # every model below shares the bf16-representable weights
         with torch.no_grad():
             for p in hf32.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
-    ids, mask, labels = make_batch(hf32.config.vocab_size, batch, seq, seed)
+    ids, mask, labels = (t.to(dev) for t in make_batch(hf32.config.vocab_size, batch, seq, seed))
     with torch.no_grad():
         loss_unconverted = hf32(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
 
@@ -89,6 +95,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
               for n in names if g_plain[n].abs().max() > 0)
     report = {
         "model": model, "model_type": hf32.config.model_type, "layers": hf32.config.num_hidden_layers,
+        "device": str(dev),
         "dtype": "bfloat16" if low else "float32", "batch": batch, "seq": seq, "seed": seed,
         "adapter_init": adapter_init, "stream_dtype": str(stream_dtype).removeprefix("torch."),
         "loss_unconverted": loss_unconverted, "loss_converted": loss_converted,
@@ -117,7 +124,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
 def format_report(r: dict) -> str:
     lines = [f"revffn check: {r['model']} ({r['model_type']}), {r['layers']} layers, {r['dtype']}, "
-             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}"]
+             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}"]
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
             "max_rel_grad_error", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
             "saved_bytes_plain", "routing_record_bytes"]

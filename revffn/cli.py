@@ -5,6 +5,8 @@
     revffn generate MODEL_DIR --prompt TEXT         greedy generation
     revffn eval MODEL_DIR --data FILE [--json]      loss, perplexity, exact match
     revffn check --model tiny-qwen2-moe --layers 4  reversible vs plain gradients
+    revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --out DIR   memory and speed per method
+    revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate
 
 Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed), 2 bad input.
 """
@@ -29,13 +31,67 @@ def _positive(s: str) -> int:
 
 def cmd_check(args) -> int:
     from revffn.check import format_report, run_check
-    from revffn.models.loading import check_model_ref, parse_dtype
+    from revffn.models.loading import parse_dtype
+    from revffn.reports.bench_model import model_kind
 
-    check_model_ref(args.model, "--model")
+    model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
     parse_dtype(args.dtype, "--dtype")
-    report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
+    report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
+                       device=args.device, hidden=args.hidden)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
+
+
+def cmd_bench(args) -> int:
+    from revffn.reports.bench import BenchSpec, parse_sweep, resolve, run_bench, run_sweep
+    from revffn.reports.render import render_dir, write_bench, write_sweep
+
+    if args.render:
+        written = render_dir(args.render)
+        if not written:
+            raise UserError(f"--render {args.render}: no bench.json or sweep.json there. Fix: give a bench --out DIR.")
+        print(f"revffn bench: rendered {', '.join(written)} in {args.render}")
+        return 0
+    if not args.out:
+        raise UserError("--out DIR is required (where bench.json, bench.md and bench.png go).")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    spec = resolve(BenchSpec(args.model, methods, args.layers, args.hidden, args.batch, args.seq, args.steps,
+                             args.dtype, args.device, args.seed, args.threads, list(args.set), args.timeout))
+    if args.sweep:
+        var, values = parse_sweep(args.sweep)
+        data = run_sweep(spec, var, values, args.argv)
+        names = ", ".join(write_sweep(data, args.out))
+    else:
+        data = run_bench(spec, args.argv)
+        names = ", ".join(write_bench(data, args.out))
+    failed = [f"{r.get('value', '')} {r['method']}".strip() for r in data["results"] if r["status"] != "ok"]
+    print(f"revffn bench: wrote {names} to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def cmd_estimate(args) -> int:
+    from revffn.memory.estimate import estimate, format_estimate, load_config, parse_size
+    from revffn.reports.bench_model import config_overrides, model_kind
+    from revffn.training.config import parse_overrides
+
+    if args.gpu_mem is not None:
+        parse_size(args.gpu_mem)
+    model_kind(args.model, "--model")
+    options = parse_overrides(args.option)
+    config = load_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
+    est = estimate(config, args.method, args.batch, args.seq, args.dtype, **options)
+    if args.json:
+        if args.gpu_mem is not None:
+            est["gpu_mem"], est["fits"] = args.gpu_mem, est["total"] <= parse_size(args.gpu_mem)
+        print(json.dumps(est))
+    else:
+        print(format_estimate(est, args.gpu_mem))
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -120,8 +176,45 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq", type=_positive, default=32)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
+    c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
+
+    b = sub.add_parser("bench", help="peak memory, saved activations and tokens/s per method (fresh process each)")
+    b.add_argument("--model", default="tiny-qwen2-moe", help="tiny preset, config-only preset or local HF directory")
+    b.add_argument("--methods", default="full,ckpt,revffn,lora,dora,hift,refta", help="comma-separated methods")
+    b.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
+    b.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
+    b.add_argument("--batch", type=_positive, default=4)
+    b.add_argument("--seq", type=_positive, default=512)
+    b.add_argument("--steps", type=_positive, default=3, help="timed optimizer steps (after one warm-up step)")
+    b.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16")
+    b.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=_positive, default=None, help="torch threads per worker (default: torch's)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="training-config override for every method, e.g. revffn.stream_dtype=bfloat16")
+    b.add_argument("--timeout", type=float, default=None, help="seconds per method before it counts as an error")
+    b.add_argument("--sweep", default=None, metavar="VAR=V1,V2,...", help="layers=4,8,16 | seq=256,512 | batch=... "
+                   "| hidden=...: every method at every value; writes sweep.json/md/png")
+    b.add_argument("--out", default=None, help="output directory")
+    b.add_argument("--render", default=None, metavar="DIR", help="only re-render DIR's .md/.png from its JSON")
+    b.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("estimate", help="analytic memory estimate of one training step (needs only the config)")
+    s.add_argument("--model", required=True, help="tiny preset, config-only preset (qwen1.5-moe-a2.7b, ...) or dir")
+    s.add_argument("--method", default="revffn")
+    s.add_argument("--batch", type=_positive, default=1)
+    s.add_argument("--seq", type=_positive, default=2048)
+    s.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
+    s.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
+    s.add_argument("--hidden", type=_positive, default=None, help="override hidden_size")
+    s.add_argument("--gpu-mem", default=None, help="e.g. 80GB or 80GiB: say whether it fits")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="estimator option: rank=8, group_size=2, freeze_router=false, padded=false, ...")
+    s.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    s.set_defaults(fn=cmd_estimate)
 
     t = sub.add_parser("train", help="fine-tune a model from a YAML config (no config: the quickstart)")
     t.add_argument("config", nargs="?", default=None, help="YAML config; omit for the built-in quickstart")
@@ -159,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("train", "validate") and len(argv) > 1 and "=" in argv[1]:
         argv.insert(1, "")  # `revffn train key=value`: overrides on the quickstart
     args = parser.parse_args(argv)
+    args.argv = list(argv)
     if getattr(args, "config", None) == "":
         args.config = None
     try:

@@ -2,7 +2,9 @@
 
 Needs only an HF config (never weights). Bytes, per training step:
 
-- static: ``weights`` (all params), ``grads`` and ``optimizer_states`` (trainable params only).
+- static: ``weights`` (all params), ``grads`` and ``optimizer_states`` (trainable params only). torch's
+  AdamW keeps its two states in the parameter dtype (bf16 params: bf16 states); peft keeps LoRA/DoRA
+  adapters in fp32 on a bf16 model, so their weights, grads and states are fp32.
 - ``activations``: peak bytes held for backward, parameters excluded, unique storages. It is
   ``activations_forward`` (what a `saved_tensors_hooks` log around the forward counts) plus, for
   methods that recompute (``ckpt``, ``revffn``), ``recompute_working_set``: the tensors one layer
@@ -10,8 +12,11 @@ Needs only an HF config (never weights). Bytes, per training step:
 - ``logits``: one chunk of the chunked cross-entropy (`revffn.models.loss`), logits and their grad.
 - ``overhead``: a fixed 5% of the rest.
 
-Per-layer saved tensors follow transformers 5.x modules as they run (RMSNorm in fp32, SDPA,
-grouped_mm experts), calibrated against `revffn.memory.measure.SavedTensorLog` on the tiny presets.
+Per-layer saved tensors (`revffn.memory.saved`) follow transformers 5.x modules as they run (RMSNorm
+in fp32, SDPA, grouped_mm experts) and depend on what needs a gradient: frozen weights keep less
+(lora, dora, refta, hift), peft's parameter adapters keep the materialised W + BA of every expert.
+Checked against what `revffn bench` measures, for every method on the tiny presets, fp32 and bf16
+(`tests/memory/test_estimate_agreement.py`: within 0.2%).
 """
 
 from __future__ import annotations
@@ -19,18 +24,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import transformers
 
 from revffn.errors import UserError, closest
+from revffn.memory.saved import Grad, aux_saved, hift_saved, layer_saved, outside_saved
 from revffn.models.presets import TINY_PRESETS, tiny_config
 from revffn.reversible.replay import compact_index_dtype
 
 PRESET_DIR = Path(__file__).parent / "presets"
 METHODS = ("full", "ckpt", "revffn", "lora", "dora", "hift", "refta")
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 states per trainable param
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 OVERHEAD = 0.05
 CHUNK_TOKENS = 1024
@@ -91,6 +97,16 @@ class _Dims:
     rope_dim: int  # width of RoPE cos/sin
     attn_impl: str
     attn_dropout: float
+    aux: bool  # router load-balancing loss on (router_aux_loss_coef > 0)
+    peft_rewrites: bool  # peft (transformers 5) retargets MLP Linear names (gate_proj, ...) to fused weights
+
+
+def _peft_rewrites(model_type: str) -> bool:
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN
+    except ImportError:  # pragma: no cover - older transformers: no mapping, nothing rewritten
+        return False
+    return model_type in _MODEL_TO_CONVERSION_PATTERN or model_type == "mixtral"
 
 
 def _dims(config) -> _Dims:
@@ -125,6 +141,7 @@ def _dims(config) -> _Dims:
         rope_dim=int(hd * factor),
         attn_impl=getattr(c, "_attn_implementation", None) or "sdpa",
         attn_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
+        aux=E > 0 and float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0) > 0, peft_rewrites=_peft_rewrites(mt),
     )
 
 
@@ -164,92 +181,30 @@ def count_params(config) -> dict[str, int]:
     return out
 
 
-# -- saved activations ----------------------------------------------------------------------------
-def _norm_saved(n: int, width: int, s: int, rows: int | None = None) -> int:
-    """RMSNorm (fp32 inside): fp32 input, normalised input in the model dtype, 1/rms per row."""
-    return n * width * (4 + s) + 4 * (rows if rows is not None else n)
-
-
-def _mlp_saved(n: int, inter: int, s: int) -> int:
-    return 4 * n * inter * s  # gate out, act out, up out, act*up (down's input)
-
-
-def _attn_saved(m: _Dims, B: int, T: int, s: int, padded: bool, impl: str) -> int:
-    """Attention, from its input (the norm output, saved by q/k/v) to o_proj's input."""
-    N, q = B * T, B * T * m.heads * m.hd
-    total = _norm_saved(N, m.d, s) + N * m.d * s  # input_layernorm + its output (q/k/v input)
-    if m.qk_norm == "head":
-        total += _norm_saved(N * m.heads, m.hd, s) + _norm_saved(N * m.kv, m.hd, s)
-    elif m.qk_norm == "full":
-        total += _norm_saved(N, m.heads * m.hd, s) + _norm_saved(N, m.kv * m.hd, s)
-    if impl == "eager":  # q, k, v repeated to all heads, o_proj input; probs in fp32 (+ the cast)
-        probs = B * m.heads * T * T
-        total += 4 * q * s + probs * (4 + (s if s != 4 else 0)) + probs * (m.attn_dropout > 0)
-    else:  # SDPA: q, k, v, out, logsumexp; k/v repeated and the float mask kept when a mask is given
-        kv = q if padded else B * T * m.kv * m.hd
-        total += 2 * q * s + 2 * kv * s + 4 * B * m.heads * T + (B * T * T * s if padded else 0)
-        total += q * s if m.partial_rope else 0  # out is not in (B, T, H, hd) layout: o_proj copies it
-    return total
-
-
-def _router_saved(m: _Dims, N: int, s: int) -> int:
-    E, k = m.experts, m.top_k
-    if m.router == "sigmoid_group":  # fp32 logits input, sigmoid, group top-2, group mask, top-k
-        g, tg = m.groups
-        return N * m.d * 4 * (s != 4) + N * E * 5 + N * g * 16 + N * tg * 8 + N * k * 12 + N * 4
-    return N * E * 4 + N * k * 8 + (N * k * 4 + N * 4 if m.norm_topk else 0)  # probs, top-k (+ renorm)
-
-
-def _ffn_saved(m: _Dims, i: int, B: int, T: int, s: int) -> int:
-    """post_attention_layernorm + MoE block (router, grouped_mm experts, shared expert) or dense MLP."""
-    N = B * T
-    total = _norm_saved(N, m.d, s) + N * m.d * s  # the norm and its output (the MLP's input)
-    if not m.moe[i]:
-        return total + _mlp_saved(N, m.dense_inter, s)
-    S, inter = N * m.top_k, m.moe_inter
-    # gathered inputs, gate_up out, act out, act*up, down out, routing weights, 3 int64 indices
-    total += _router_saved(m, N, s) + S * (2 * m.d + 4 * inter) * s + S * (4 + 24) + m.experts * 4
-    if m.shared_inter:
-        total += _mlp_saved(N, m.shared_inter, s) + (N * m.d * s + N * s if m.shared_gate else 0)
-    return total
-
-
-def _layer_saved(m: _Dims, i: int, B: int, T: int, s: int, padded: bool, impl: str) -> int:
-    return _attn_saved(m, B, T, s, padded, impl) + _ffn_saved(m, i, B, T, s)
-
-
-def _outside_saved(m: _Dims, B: int, T: int, s: int) -> int:
-    """Token ids, RoPE cos/sin, final norm, the loss's (B*(T-1), d) hidden copy and its labels."""
-    rows = B * (T - 1)
-    return B * T * 8 + 2 * T * m.rope_dim * s + _norm_saved(B * T, m.d, s) + rows * m.d * s + rows * 8
-
-
-def _lora_targets(m: _Dims, i: int) -> list[tuple[int, int, int, int]]:
-    """Layer i's LoRA-targeted matrices: (fan_in, fan_out, copies, rows per token)."""
+# -- adapter targets ------------------------------------------------------------------------------
+def _lora_targets(m: _Dims, i: int, dora: bool) -> list[tuple[int, int, int]]:
+    """Layer i's matrices that peft adapts by default: (fan_in, fan_out, copies). DoRA adapts only
+    Linear modules (not the fused experts, nor MLP Linears that peft retargets to their weights)."""
     q, kv = m.heads * m.hd, m.kv * m.hd
-    mats = [(m.d, q, 1, 1), (m.d, kv, 1, 1), (m.d, kv, 1, 1), (q, m.d, 1, 1)]
-    if not m.moe[i]:
-        return mats + [(m.d, m.dense_inter, 1, 1)] * 2 + [(m.dense_inter, m.d, 1, 1)]
-    mats += [(m.d, 2 * m.moe_inter, m.experts, m.top_k), (m.moe_inter, m.d, m.experts, m.top_k)]
-    return mats + ([(m.d, m.shared_inter, 1, 1)] * 2 + [(m.shared_inter, m.d, 1, 1)] if m.shared_inter else [])
-
-
-def _lora_saved(m: _Dims, N: int, s: int, rank: int, dora: bool) -> int:
-    """Per targeted matrix: the A output (rows x rank); DoRA also the base and LoRA outputs."""
-    return sum(N * per_tok * (rank + (2 * out if dora else 0)) * s
-               for i in range(m.layers) for _, out, _, per_tok in _lora_targets(m, i))
+    mats = [(m.d, q, 1), (m.d, kv, 1), (m.d, kv, 1), (q, m.d, 1)]
+    inter = m.dense_inter if not m.moe[i] else m.shared_inter
+    if inter and not (dora and m.peft_rewrites):
+        mats += [(m.d, inter, 1)] * 2 + [(inter, m.d, 1)]
+    if m.moe[i] and not dora:
+        mats += [(m.d, 2 * m.moe_inter, m.experts), (m.moe_inter, m.d, m.experts)]
+    return mats
 
 
 def _lora_trainable(m: _Dims, rank: int, dora: bool) -> int:
     return sum(copies * (rank * (fan_in + fan_out) + (fan_out if dora else 0))
-               for i in range(m.layers) for fan_in, fan_out, copies, _ in _lora_targets(m, i))
+               for i in range(m.layers) for fan_in, fan_out, copies in _lora_targets(m, i, dora))
 
 
 # -- trainable parameters of the other methods --------------------------------------------------
 def _refta_trainable(m: _Dims, rank: int) -> int:
     q, kv = m.heads * m.hd, m.kv * m.hd
     mats = [(m.d, q), (m.d, kv), (m.d, kv), (q, m.d)]
-    shared_a = sum(rank * fan_in for fan_in in {fan_in for fan_in, _ in mats})
+    shared_a = sum(rank * fan_in for fan_in, _ in set(mats))  # one A per distinct (in, out) shape
     return shared_a + m.layers * sum(fan_out * rank + rank * rank for _, fan_out in mats)
 
 
@@ -296,15 +251,17 @@ def estimate(config, method: str, batch: int, seq: int, dtype: str = "float32", 
     padded, impl = bool(opts.get("padded", True)), opts.get("attn_implementation", m.attn_impl)
     counts = count_params(config)
     base = total_params = trainable = counts["total"]
-    layers = [_layer_saved(m, i, B, T, s, padded, impl) for i in range(m.layers)]
-    outside = _outside_saved(m, B, T, s)
-    act_fwd, working, records = outside + sum(layers), 0, 0
+    layers = [layer_saved(m, i, B, T, s, padded, impl) for i in range(m.layers)]
+    outside = outside_saved(m, B, T, s)
+    aux_all = aux_saved(m, N, sum(m.moe))  # the unconverted model's load-balancing loss, router trainable
+    act_fwd, working, records, adapter_bytes = outside + sum(layers) + aux_all, 0, 0, 0
     notes = [f"attention: {impl}" + (" (no T x T probabilities kept)" if impl != "eager" else
                                      " (B x heads x T x T probabilities kept in fp32)")
              + (", padded batches: mask given, k/v repeated to all heads" if padded else ", no attention mask")]
     mask_bool = B * T * T if padded else 0
     if method == "ckpt":
-        act_fwd = outside + m.layers * N * m.d * s + mask_bool
+        # layer inputs and the mask are the checkpoints' inputs; RoPE cos/sin ride in a tuple (not kept)
+        act_fwd = outside - 2 * T * m.rope_dim * s + m.layers * N * m.d * s + mask_bool + aux_all
         working = max(layers)
         notes.append("ckpt: one (B, T, d) boundary state per layer kept; one layer's saved tensors while "
                      "its backward recomputes it")
@@ -324,35 +281,42 @@ def estimate(config, method: str, batch: int, seq: int, dtype: str = "float32", 
                      f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward")
         notes.append(f"revffn: {adapters} adapter params; " + ("stage 1: adapters only trainable"
                      if opts.get("stage", 2) == 1 else "router frozen" if freeze else "router trainable"))
-    elif method in ("lora", "dora"):
+    elif method in ("lora", "dora", "refta"):
         rank = opts.get("rank", 16)
-        trainable = _lora_trainable(m, rank, method == "dora")
+        trainable = _refta_trainable(m, rank) if method == "refta" else _lora_trainable(m, rank, method == "dora")
         total_params = base + trainable
-        act_fwd += _lora_saved(m, N, s, rank, method == "dora")
-        notes.append(f"{method}: rank {rank} on q/k/v/o, shared-expert and dense MLP projections, every "
-                     "expert's gate_up and down; activations = full's + the A outputs (rows x rank)")
+        cast = method != "refta" and s != 4  # peft keeps adapters in fp32 on a bf16 model
+        adapter_bytes = 4 if cast else s
+        g = Grad(w=False, router=False, adapter=method, rank=rank, rewritten=m.peft_rewrites, cast=cast)
+        act_fwd = outside_saved(m, B, T, s, embed=False, final_w=False) + sum(
+            layer_saved(m, i, B, T, s, padded, impl, replace(g, inp=i > 0)) for i in range(m.layers))
+        if method == "refta":
+            notes.append(f"refta: rank {rank}; shared A per input width, per-layer B and core on q/k/v/o; "
+                         "activations: the frozen model's (what input gradients need) + 2 (rows x rank) per "
+                         "projection")
+        else:
+            notes.append(f"{method}: rank {rank} on q/k/v/o, shared-expert and dense MLP projections"
+                         + (", every expert's gate_up and down (W + BA materialised per forward and kept)"
+                            if method == "lora" else " (not the fused experts: peft's ParamWrapper refuses DoRA)")
+                         + "; activations: the frozen model's (what input gradients need) + the adapters'")
         if method == "dora":
             notes.append("dora: + magnitude vectors; activations also keep the base and LoRA outputs per "
-                         "targeted matrix (the weight norm is detached, its W + BA is transient)")
+                         "targeted matrix and its weight-norm path (an in x in identity through A)")
     elif method == "hift":
         size = opts.get("group_size", 1)
         groups = _hift_groups(m, counts, size)
         trainable = max(groups)
+        act_fwd = hift_saved(m, B, T, s, padded, impl, size)
         notes.append(f"hift: {len(groups)} groups of {size} unit(s) (embedding, each layer, norm+head); grads "
-                     "and optimizer states for the largest group only (all params are trained in turn); activations "
-                     "taken as full's (upper bound: layers before the active group need none)")
-    elif method == "refta":
-        rank = opts.get("rank", 16)
-        trainable = _refta_trainable(m, rank)
-        total_params = base + trainable
-        act_fwd += m.layers * 4 * 2 * N * rank * s
-        notes.append(f"refta: rank {rank}; shared A per input width, per-layer B and core on q/k/v/o; "
-                     "activations = full's + 2 (rows x rank) per projection")
-    weights = total_params * s
-    grads = trainable * s
-    states = trainable * OPTIMIZER_STATES[optimizer] * 4
+                     "and optimizer states for the largest group only (all params are trained in turn); "
+                     "activations: the largest over groups (the active group's, plus what input gradients need "
+                     "in the frozen layers above it)")
+    weights = (total_params - trainable) * s + trainable * adapter_bytes if adapter_bytes else total_params * s
+    a = adapter_bytes or s
+    grads = trainable * a
+    states = trainable * OPTIMIZER_STATES[optimizer] * a  # torch AdamW keeps its states in the param dtype
     if s != 4:
-        notes.append(f"{dtype}: {s}-byte weights and grads, fp32 optimizer states ({optimizer})")
+        notes.append(f"{dtype}: {s}-byte weights, grads and optimizer states ({optimizer}, states like the params)")
     logits = min(B * (T - 1), CHUNK_TOKENS) * m.vocab * 4 * 2
     notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
     activations = act_fwd + working

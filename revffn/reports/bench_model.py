@@ -10,7 +10,8 @@ A reference is one of:
   `--hidden` changes the geometry.
 
 `--layers` / `--hidden` override `num_hidden_layers` / `hidden_size`; the other widths (intermediate
-sizes) keep their ratio to the hidden size, as `tiny_config` does for the tiny presets.
+sizes) keep their ratio to the hidden size (rounded to multiples of 8), as `tiny_config` does for the
+tiny presets.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ def model_kind(model: str, key: str = "--model") -> str:
                     "or give a local HF model directory. revffn never downloads.")
 
 
-def config_overrides(model: str, layers: int | None = None, hidden: int | None = None) -> dict:
-    """HF config overrides for `model` with `--layers` / `--hidden` (widths scaled with hidden)."""
+def config_overrides(model: str, layers: int | None = None, hidden: int | None = None,
+                     shipped_vocab: bool = True) -> dict:
+    """HF config overrides for `model` with `--layers` / `--hidden` (widths scaled with hidden); a tiny
+    preset gets the shipped tokenizer's vocabulary, as training builds it (unless `shipped_vocab` is off)."""
     kind = model_kind(model)
-    out: dict = {"vocab_size": SHIPPED_VOCAB} if kind == "tiny" else {}
+    out: dict = {"vocab_size": SHIPPED_VOCAB} if kind == "tiny" and shipped_vocab else {}
     if layers is not None:
         out["num_hidden_layers"] = int(layers)
     if hidden is not None:
@@ -59,7 +62,7 @@ def config_overrides(model: str, layers: int | None = None, hidden: int | None =
             for k in WIDTH_KEYS:
                 v = getattr(base, k, None)
                 if isinstance(v, int) and v > 0:
-                    out[k] = max(8, int(v * scale))
+                    out[k] = max(8, round(v * scale / 8) * 8)  # multiples of 8: bf16 grouped_mm strides
             head_dim = getattr(base, "head_dim", None)
             if isinstance(head_dim, int) and head_dim * base.num_attention_heads == base.hidden_size:
                 out["head_dim"] = hidden // base.num_attention_heads
@@ -92,3 +95,18 @@ def build_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, devi
     if kind == "config" or (kind == "dir" and "hidden_size" in overrides):
         return random_init(model, dtype, seed, device, **overrides)
     return load_hf(model, dtype=dtype, seed=seed, **overrides)
+
+
+def train_config(args: dict):
+    """The validated `TrainConfig` of one bench measurement: the built-in quickstart plus model,
+    method, dtype, device and seed, `model_config` replaced by the bench's overrides, then the
+    user's `--set key=value` items (dotted keys reach method sections). Raises UserError."""
+    from revffn.training.config import load_config, parse_overrides
+
+    overrides = [f"model={args['model']}", f"method={args['method']}", "max_steps=100000",
+                 f"dtype={args.get('dtype', 'auto')}", f"device={args.get('device', 'auto')}",
+                 f"seed={args.get('seed', 0)}", *args.get("set", [])]
+    cfg = load_config(None, overrides)
+    user = parse_overrides(list(args.get("set", []))).get("model_config", {})
+    cfg.values["model_config"] = {**args.get("model_config", {}), **(user if isinstance(user, dict) else {})}
+    return cfg

@@ -30,23 +30,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import peft  # noqa: F401  (imported before the RSS baseline for every method alike)
 import torch
 import transformers  # noqa: F401
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
 from revffn.methods import METHODS
-from revffn.reports.bench_model import build_hf
-from revffn.training.config import load_config
+from revffn.reports.bench_model import build_hf, train_config
 from revffn.training.loop import _decay_groups
-
-
-def train_config(args: dict):
-    """The validated TrainConfig of this measurement: the quickstart plus model/method/dtype/device,
-    `model_config` replaced by the bench's overrides, and the user's `--set key=value` items."""
-    overrides = [f"model={args['model']}", f"method={args['method']}", "max_steps=100000",
-                 f"dtype={args.get('dtype', 'float32')}", f"device={args.get('device', 'auto')}",
-                 f"seed={args.get('seed', 0)}", *args.get("set", [])]
-    cfg = load_config(None, overrides)
-    cfg.values["model_config"] = dict(args.get("model_config", {}))
-    return cfg
 
 
 def _device_dtypes(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
@@ -56,13 +45,40 @@ def _device_dtypes(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
 
 
 def _fault(method: str) -> None:
-    """Test hook: REVFFN_BENCH_FAULT='lora=raise,dora=kill' makes that method's worker fail."""
+    """Test hook: REVFFN_BENCH_FAULT='lora=raise,dora=kill,full=oom' makes that method's worker fail."""
     for item in filter(None, os.environ.get("REVFFN_BENCH_FAULT", "").split(",")):
         name, _, action = item.partition("=")
-        if name == method and action == "kill":
+        if name != method:
+            continue
+        if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if name == method:
-            raise RuntimeError(f"injected fault in the {method} worker")
+        if action == "oom":
+            raise MemoryError(f"injected out-of-memory in the {method} worker")
+        raise RuntimeError(f"injected fault in the {method} worker")
+
+
+class LiveSavedTensorLog(SavedTensorLog):
+    """`SavedTensorLog` that counts only what is still held when asked: a tensor saved by a graph
+    branch that was dropped during the forward (DoRA's weight-norm path) is freed, and its address
+    may be reused, so it is neither held memory nor a reliable storage id."""
+
+    def __init__(self, params=()):
+        super().__init__(params)
+        self.refs: dict[int, list] = {}
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.param_storages and ptr != 0:
+            self.refs.setdefault(ptr, []).append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        return t
+
+    def bytes(self, exclude: set[int] = frozenset()) -> int:
+        total = 0
+        for ptr, refs in self.refs.items():
+            alive = [n for ref, n in refs if not ref.expired()]
+            if alive and ptr not in exclude:
+                total += max(alive)
+        return total
 
 
 def _state_bytes(optimizer, only: set[int] | None = None) -> int:
@@ -115,20 +131,24 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         stages.append(stage)
         trainable = [p for p in params if p.requires_grad]
         row["trainable_params"] = max(row["trainable_params"], sum(p.numel() for p in trainable))
-        log = SavedTensorLog(model.parameters()) if i == 0 else None
+        # the warm-up step logs what is saved for backward; hift every step (its trainable set moves)
+        log = LiveSavedTensorLog(model.parameters()) if i == 0 or method_name == "hift" else None
         sync()
         t0 = time.perf_counter()
         with autocast(), (log.hooks() if log is not None else contextlib.nullcontext()):
             out = model(input_ids=ids, attention_mask=mask, labels=labels, return_logits=False)
+        t_log = time.perf_counter()
+        if log is not None:  # counted while the graph holds them, outside the timed part
+            stats = getattr(model, "last_stack_stats", {}) or {}
+            act = log.bytes(stats.get("record_storages", set()))
+            row["activation_bytes"] = max(row["activation_bytes"], act)
+            row["routing_record_bytes"] = int(stats.get("record_bytes", 0))
+        t_log = time.perf_counter() - t_log
         loss = out.loss_sum / max(n_total, 1)
         if out.aux_loss is not None and out.aux_loss.requires_grad:
             loss = loss + model.aux_loss_coef * out.aux_loss
         loss.backward()
-        t_fb = time.perf_counter() - t0
-        if log is not None:
-            stats = getattr(model, "last_stack_stats", {}) or {}
-            row["activation_bytes"] = log.bytes(stats.get("record_storages", set()))
-            row["routing_record_bytes"] = int(stats.get("record_bytes", 0))
+        t_fb = time.perf_counter() - t0 - t_log
         with_grad = [p for p in params if p.grad is not None]
         row["grad_bytes"] = max(row["grad_bytes"], sum(p.grad.numel() * p.grad.element_size() for p in with_grad))
         t1 = time.perf_counter()
@@ -152,8 +172,10 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         tokens_per_s=statistics.median(B * T / t for t in times) if times else None,
         step_times_s=times, build_s=build_s, stage=stages[-1], device=str(device),
         threads=torch.get_num_threads(), loss=float(loss.detach()),
+        geometry={k: getattr(hf.config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
     )
     if cuda:
+        row["gpu"] = torch.cuda.get_device_name(device)
         row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     else:

@@ -78,8 +78,10 @@ def test_precision_and_optimizer_bytes():
     config = load_config("olmoe-1b-7b")
     est = estimate(config, "full", 1, 512, "bfloat16")
     n = est["trainable_params"]
-    assert est["weights"] == 2 * n and est["grads"] == 2 * n and est["optimizer_states"] == 8 * n
+    # torch AdamW keeps exp_avg / exp_avg_sq in the parameter dtype: bf16 params, bf16 states
+    assert est["weights"] == 2 * n and est["grads"] == 2 * n and est["optimizer_states"] == 4 * n
     assert estimate(config, "full", 1, 512)["weights"] == 4 * n
+    assert estimate(config, "full", 1, 512)["optimizer_states"] == 8 * n
     assert estimate(config, "full", 1, 512, optimizer="sgd")["optimizer_states"] == 0
     assert est["logits"] == 511 * 50304 * 4 * 2
     assert estimate(config, "full", 8, 2048)["logits"] == 1024 * 50304 * 4 * 2
@@ -94,7 +96,8 @@ def test_hift_states_about_one_over_k(group_size):
     k = math.ceil((config.num_hidden_layers + 2) / group_size)
     ratio = hift["optimizer_states"] / full["optimizer_states"]
     assert 0.5 / k <= ratio <= 2.0 / k
-    assert hift["activations"] == full["activations"]
+    # the active group trains; the frozen layers above it keep only what input gradients need
+    assert 0.5 * full["activations"] < hift["activations"] < full["activations"]
 
 
 def test_peft_methods_train_few_params():
@@ -103,11 +106,16 @@ def test_peft_methods_train_few_params():
     for method in ("lora", "dora", "refta"):
         est = estimate(config, method, 1, 2048, "bfloat16")
         assert est["trainable_params"] < 0.05 * full["trainable_params"]
-        assert est["activations"] > full["activations"]
         assert est["total"] < full["total"]
+        # lora adapts the fused experts through peft's ParamWrapper, whose W + BA is kept per layer;
+        # refta keeps only what the frozen model's input gradients need, plus its adapters' outputs
+        if method != "dora":  # (dora: fp32 adapters on bf16 keep fp32 input copies; about full's)
+            assert (est["activations"] > full["activations"]) == (method == "lora")
     lora8, lora32 = (estimate(config, "lora", 1, 2048, rank=r)["trainable_params"] for r in (8, 32))
     assert lora32 == 4 * lora8
-    assert estimate(config, "dora", 1, 2048)["trainable_params"] > estimate(config, "lora", 1, 2048)["trainable_params"]
+    # peft's DoRA adapts only Linear modules (attention here), LoRA also every expert
+    dora, lora = (estimate(config, m, 1, 2048)["trainable_params"] for m in ("dora", "lora"))
+    assert 0 < dora < lora
 
 
 def test_eager_attention_keeps_probabilities():

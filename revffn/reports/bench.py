@@ -1,0 +1,246 @@
+"""`revffn bench`: every method on one model geometry, each in a fresh process; a sweep over one variable.
+
+    revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --layers 16 --hidden 256 \\
+        --batch 4 --seq 512 --steps 3 --out runs/bench
+    revffn bench ... --sweep layers=4,8,16,32 --out runs/bench
+
+Each method runs in `revffn.reports.bench_worker` (its own process, so its peak memory is its own)
+and returns one row: peak memory, bytes saved for backward, grads, optimizer states, tokens/s and a
+status (`ok`, `oom`, `error`: a failed method stays in the table). Every row also carries the
+analytic estimate (`revffn.memory.estimate`) of the same configuration. Outputs: `bench.json`
+(`run_info`, `meta_info`, `results`) rendered to `bench.md` / `bench.png`; a sweep writes
+`sweep.json` / `sweep.md` / `sweep.png` (`revffn.reports.render`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from revffn.errors import UserError, closest
+
+WORKER_MODULE = "revffn.reports.bench_worker"  # run as `python -m WORKER_MODULE ARGS_JSON`
+SWEEP_VARS = {"layers": "layers", "seq": "seq", "batch": "batch", "hidden": "hidden"}
+
+
+@dataclass
+class BenchSpec:
+    """One bench configuration (the CLI's arguments, resolved)."""
+
+    model: str
+    methods: list[str]
+    layers: int | None = None
+    hidden: int | None = None
+    batch: int = 4
+    seq: int = 512
+    steps: int = 3
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    threads: int | None = None
+    set: list[str] = field(default_factory=list)
+    timeout: float | None = None
+
+
+def resolve(spec: BenchSpec) -> BenchSpec:
+    """Check the spec (UserError on bad input) and resolve device/dtype `auto` as training does."""
+    import torch
+
+    from revffn.methods import METHODS
+    from revffn.reports.bench_model import model_kind, train_config
+
+    model_kind(spec.model)
+    for m in spec.methods:
+        if m not in METHODS:
+            raise UserError(f"--methods: unknown method {m!r}.{closest(m, METHODS)} Available: {', '.join(METHODS)}.")
+    if not spec.methods:
+        raise UserError("--methods: give at least one method, e.g. full,ckpt,revffn.")
+    if spec.dtype not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"--dtype: {spec.dtype!r} is not one of auto, float32, bfloat16.")
+    if spec.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device: {spec.device!r} is not one of auto, cpu, cuda.")
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available. Fix: --device auto or cpu.")
+    device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = spec.dtype if spec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    out = BenchSpec(**{**asdict(spec), "device": device, "dtype": dtype})
+    for m in out.methods:  # every method's config validates before anything runs
+        train_config(worker_args(out, m))
+    return out
+
+
+def worker_args(spec: BenchSpec, method: str) -> dict:
+    from revffn.reports.bench_model import config_overrides
+
+    return {"model": spec.model, "method": method, "model_config": config_overrides(spec.model, spec.layers,
+                                                                                      spec.hidden),
+            "batch": spec.batch, "seq": spec.seq, "steps": spec.steps, "dtype": spec.dtype, "device": spec.device,
+            "seed": spec.seed, "threads": spec.threads, "set": list(spec.set)}
+
+
+def estimate_fields(args: dict) -> dict:
+    """The analytic estimate of the measured configuration, as `est_*` fields of a result row."""
+    from revffn.memory.estimate import estimate, load_config
+    from revffn.reports.bench_model import train_config
+
+    try:
+        cfg = train_config(args)
+        opts: dict = {"padded": False}  # the bench batch has no padding: HF drops the all-ones mask
+        if cfg.method == "revffn":
+            sec = cfg.section("revffn")
+            opts.update(freeze_router=sec["freeze_router"], stream_dtype=sec["stream_dtype"])
+        elif cfg.method in ("lora", "dora", "refta"):
+            opts["rank"] = cfg.section(cfg.method)["r"]
+        elif cfg.method == "hift":
+            opts["group_size"] = cfg.section("hift")["group_size"]
+        est = estimate(load_config(cfg.model, **cfg.model_config), cfg.method, args["batch"], args["seq"],
+                       args["dtype"], **opts)
+    except Exception as e:  # an estimate that cannot be made is reported, never fatal
+        return {"est_error": f"{type(e).__name__}: {e}"}
+    return {"est_static_bytes": est["weights"] + est["grads"] + est["optimizer_states"],
+            "est_activation_bytes": est["activations_forward"] - est["routing_records"],
+            "est_routing_record_bytes": est["routing_records"], "est_total_bytes": est["total"],
+            "est_trainable_params": est["trainable_params"]}
+
+
+def run_worker(args: dict, timeout: float | None = None) -> dict:
+    """One method in a fresh process; a crash, a timeout or garbage output is an `error` row."""
+    cmd = [sys.executable, "-m", WORKER_MODULE, json.dumps(args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"method": args["method"], "status": "error", "error": f"timed out after {timeout:g} s",
+                "process_s": time.perf_counter() - t0}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return {**json.loads(line), "process_s": time.perf_counter() - t0}
+            except json.JSONDecodeError:
+                break
+    why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    if proc.returncode == -9:
+        why += " (SIGKILL: out of host memory?)"
+    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+    return {"method": args["method"], "status": "error", "error": f"worker {why}, no result" +
+            (f": {tail[-400:]}" if tail else ""), "process_s": time.perf_counter() - t0}
+
+
+def _progress(i: int, n: int, label: str, row: dict) -> None:
+    if row["status"] == "ok":
+        what = f"ok {row['peak_mem_bytes'] / 2**20:.1f} MiB {row['tokens_per_s']:.0f} tok/s"
+    else:
+        what = f"{row['status']}: {row.get('error', '')[:120]}"
+    print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
+
+
+def measure(spec: BenchSpec, method: str) -> dict:
+    """One result row: the worker's measurement, its static bytes, and the estimate."""
+    args = worker_args(spec, method)
+    row = run_worker(args, spec.timeout)
+    if row.get("status") == "ok":
+        row["static_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
+    row.update(estimate_fields(args))
+    return row
+
+
+def _git(*cmd: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_info(spec: BenchSpec, argv: list[str] | None, **extra) -> dict:
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {"command": " ".join(["revffn", *map(_quote, argv)]) if argv is not None else None,
+            "args": asdict(spec), **extra, "git_commit": commit, "git_dirty": bool(dirty) if commit else None,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": _loadavg()}
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine distorts tokens/s."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _quote(a: str) -> str:
+    import shlex
+
+    return shlex.quote(a)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
+    """Versions and hardware. GPU name and thread count come from the workers: the parent never
+    initialises CUDA (its context would take GPU memory from the measured processes)."""
+    import peft
+    import torch
+    import transformers
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+            "torch_threads": next((r["threads"] for r in ok if r.get("threads")), spec.threads),
+            "gpu": next((r["gpu"] for r in ok if r.get("gpu")), None),
+            "cuda": torch.version.cuda if spec.device == "cuda" else None, "loadavg_end": _loadavg()}
+
+
+def run_bench(spec: BenchSpec, argv: list[str] | None = None) -> dict:
+    """Every method of `spec`, one fresh process each; the bench.json document."""
+    info = run_info(spec, argv)
+    rows = []
+    for i, m in enumerate(spec.methods, 1):
+        rows.append(measure(spec, m))
+        _progress(i, len(spec.methods), m, rows[-1])
+    return {"run_info": info, "meta_info": meta_info(spec, rows), "results": rows}
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    """'layers=4,8,16' -> ('layers', [4, 8, 16]); UserError otherwise."""
+    var, _, vals = text.partition("=")
+    if var not in SWEEP_VARS:
+        raise UserError(f"--sweep {text!r}: unknown variable {var!r}.{closest(var, SWEEP_VARS)} Sweepable: "
+                        f"{', '.join(SWEEP_VARS)} (e.g. --sweep layers=4,8,16,32).")
+    try:
+        values = [int(v) for v in vals.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise UserError(f"--sweep {text!r}: give positive integers, e.g. --sweep {var}=4,8,16.")
+    return var, values
+
+
+def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | None = None) -> dict:
+    """Every method at every value of `var` (fresh process each); the sweep.json document."""
+    info = run_info(spec, argv, sweep={"variable": var, "values": values})
+    rows, n, i = [], len(values) * len(spec.methods), 0
+    for v in values:
+        point = BenchSpec(**{**asdict(spec), SWEEP_VARS[var]: v})
+        for m in spec.methods:
+            i += 1
+            rows.append({"value": v, **measure(point, m)})
+            _progress(i, n, f"{var}={v} {m}", rows[-1])
+    return {"run_info": info, "meta_info": meta_info(spec, rows), "sweep": {"variable": var, "values": values},
+            "results": rows}

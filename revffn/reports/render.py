@@ -1,0 +1,237 @@
+"""Render bench.json / sweep.json into markdown tables and plots; from the JSON alone.
+
+    python -m revffn.reports.render DIR        # or: revffn bench --render DIR
+
+`write_bench` / `write_sweep` write the JSON and render it; `render_dir` regenerates the .md and
+.png files of a directory from the JSON files it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+MiB = 2**20
+
+
+def _mib(n) -> str:
+    if n is None:
+        return ""
+    return f"{n / MiB:.1f}" if n >= 10 * MiB else f"{n / MiB:.2f}" if n >= MiB / 10 else f"{n / MiB:.2g}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a is not None and b else ""
+
+
+def _ok(rows: list[dict]) -> dict[str, dict]:
+    return {r["method"]: r for r in rows if r.get("status") == "ok"}
+
+
+def describe(data: dict) -> str:
+    """One line: model, geometry, batch, dtype, device, threads."""
+    a, meta = data["run_info"]["args"], data.get("meta_info", {})
+    geo = next((r["geometry"] for r in data["results"] if r.get("geometry")), {})
+    layers = geo.get("num_hidden_layers", a.get("layers"))
+    hidden = geo.get("hidden_size", a.get("hidden"))
+    where = meta.get("gpu") or meta.get("cpu") or a.get("device")
+    layers, hidden = layers or "the preset's", hidden or "the preset's"
+    swept = data.get("sweep", {}).get("variable")
+    if swept:  # the swept variable varies over the rows
+        layers, hidden = ("(swept)" if swept == "layers" else layers), ("(swept)" if swept == "hidden" else hidden)
+        a = {**a, **{k: "(swept)" for k in ("batch", "seq") if k == swept}}
+    return (f"{a['model']}, {layers} layers, hidden {hidden}, batch {a['batch']} x seq {a['seq']}, {a['dtype']}, "
+            f"{a['device']} ({where}; {meta.get('torch_threads')} threads), timed steps: {a['steps']}")
+
+
+def _header(data: dict, title: str) -> list[str]:
+    info, meta = data["run_info"], data.get("meta_info", {})
+    commit = (info.get("git_commit") or "unknown")[:12] + (" (uncommitted changes)" if info.get("git_dirty") else "")
+    return [f"## {title}", "", describe(data), "", f"    {info.get('command') or ''}", "",
+            f"commit {commit}; torch {meta.get('torch')}, transformers {meta.get('transformers')}, "
+            f"peft {meta.get('peft')}, python {meta.get('python')}", ""]
+
+
+def failures(rows: list[dict], key: str = "") -> list[str]:
+    bad = [r for r in rows if r.get("status") != "ok"]
+    if not bad:
+        return []
+    out = ["", "Failed:", "", f"| {key + ' | ' if key else ''}method | status | error |",
+           f"|{'---|' if key else ''}---|---|---|"]
+    for r in bad:
+        err = str(r.get("error", "")).replace("|", "/").replace("\n", " ")[:300]
+        out.append(f"| {str(r.get('value', '')) + ' | ' if key else ''}{r['method']} | {r['status']} | {err} |")
+    return out
+
+
+def bench_markdown(data: dict) -> str:
+    """bench.md: one row per method, ratios to full (and to ckpt), measured vs estimated bytes."""
+    rows = data["results"]
+    ok = _ok(rows)
+    full, ckpt = ok.get("full"), ok.get("ckpt")
+    cuda = any(r.get("peak_reserved_bytes") for r in ok.values())
+    lines = _header(data, "Bench")
+    head = ["method", "status", "peak mem MiB", "÷ full", "÷ ckpt"] + (["reserved MiB"] if cuda else []) + \
+        ["tokens/s", "÷ full", "÷ ckpt", "saved for backward MiB (est.)", "static MiB (est.)", "trainable params",
+         "routing records MiB"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['method']} | {r['status']} |" + " |" * (len(head) - 2))
+            continue
+        peak, tps = r["peak_mem_bytes"], r["tokens_per_s"]
+        cells = [r["method"], "ok", _mib(peak), _ratio(peak, full and full["peak_mem_bytes"]),
+                 _ratio(peak, ckpt and ckpt["peak_mem_bytes"])]
+        cells += [_mib(r.get("peak_reserved_bytes"))] if cuda else []
+        cells += [f"{tps:.0f}", _ratio(tps, full and full["tokens_per_s"]), _ratio(tps, ckpt and ckpt["tokens_per_s"]),
+                  f"{_mib(r['activation_bytes'])} ({_mib(r.get('est_activation_bytes'))})",
+                  f"{_mib(r['static_bytes'])} ({_mib(r.get('est_static_bytes'))})", f"{r['trainable_params']:,}",
+                  _mib(r["routing_record_bytes"]) if r.get("routing_record_bytes") else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "peak mem: " + ("CUDA max allocated" if cuda else "process peak RSS minus the RSS after imports")
+              + "; tokens/s: median over the timed steps; saved for backward: bytes autograd holds after one "
+              "forward (parameters excluded; revffn's routing records listed apart); static: weights + grads + "
+              "optimizer states; (est.): `revffn estimate` for the same configuration."]
+    return "\n".join(lines + failures(rows)) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_bench(data: dict, path: Path) -> None:
+    """bench.png: peak memory and tokens/s per method (failed methods marked)."""
+    plt = _pyplot()
+    rows = data["results"]
+    names = [r["method"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8))
+    for ax, key, scale, label in ((axes[0], "peak_mem_bytes", MiB, "peak memory (MiB)"),
+                                  (axes[1], "tokens_per_s", 1, "tokens / s")):
+        vals = [r[key] / scale if r.get("status") == "ok" and r.get(key) else 0 for r in rows]
+        colors = ["tab:red" if n == "revffn" else "tab:gray" if r.get("status") != "ok" else "tab:blue"
+                  for n, r in zip(names, rows)]
+        ax.barh(names, vals, color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        for y, (v, r) in enumerate(zip(vals, rows)):
+            ax.text(v, y, f" {v:.0f}" if r.get("status") == "ok" else f" {r.get('status')}", va="center", fontsize=8)
+    fig.suptitle(describe(data), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _series(rows: list[dict], method: str, key: str, values: list[int]) -> list:
+    by = {r["value"]: r for r in rows if r["method"] == method and r.get("status") == "ok"}
+    return [by[v].get(key) if v in by else None for v in values]
+
+
+def sweep_markdown(data: dict) -> str:
+    """sweep.md: peak memory, saved-for-backward bytes and tokens/s per method and value."""
+    rows, var, values = data["results"], data["sweep"]["variable"], data["sweep"]["values"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = _header(data, f"Sweep over {var}")
+    head = "| method | " + " | ".join(f"{var}={v}" for v in values) + " |"
+    rule = "|---|" + "---:|" * len(values)
+
+    def table(title, key, fmt, extra=()):
+        out = [f"### {title}", "", head, rule]
+        for m in methods:
+            out.append(f"| {m} | " + " | ".join(fmt(x) for x in _series(rows, m, key, values)) + " |")
+        return out + list(extra)
+
+    mib = _mib
+    lines += table("Peak memory (MiB)", "peak_mem_bytes", mib)
+    est = ["", "Estimated (`revffn estimate`), MiB:", "", head, rule] + [
+        f"| {m} | " + " | ".join(mib(x) for x in _series(rows, m, "est_activation_bytes", values)) + " |"
+        for m in methods]
+    records = ["| revffn routing records (not included above) | " + " | ".join(
+        mib(x) for x in _series(rows, "revffn", "routing_record_bytes", values)) + " |"] if "revffn" in methods else []
+    lines += ["", *table("Saved for backward (MiB, measured)", "activation_bytes", mib, records + est)]
+    lines += ["", *table("Tokens/s", "tokens_per_s", lambda x: "" if x is None else f"{x:.0f}")]
+    growth = []
+    for m in methods:
+        acts = _series(rows, m, "activation_bytes", values)
+        if acts[0] and acts[-1]:
+            growth.append(f"| {m} | {acts[-1] / acts[0]:.2f} |")
+    if growth:
+        lines += ["", f"### Growth of saved-for-backward bytes: {var}={values[-1]} ÷ {var}={values[0]}", "",
+                  "| method | ratio |", "|---|---:|", *growth]
+    return "\n".join(lines + failures(rows, var)) + "\n"
+
+
+def plot_sweep(data: dict, path: Path) -> None:
+    """sweep.png: peak memory and saved-for-backward bytes vs the swept variable, one line per method."""
+    plt = _pyplot()
+    rows, var, values = data["results"], data["sweep"]["variable"], data["sweep"]["values"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0], "peak_mem_bytes", "peak memory (MiB)"),
+                           (axes[1], "activation_bytes", "saved for backward (MiB)")):
+        for m in methods:
+            ys = [None if y is None else y / MiB for y in _series(rows, m, key, values)]
+            ax.plot(values, ys, marker="o", label=m, linewidth=2.5 if m == "revffn" else 1.2)
+        if key == "activation_bytes" and "revffn" in methods:
+            ys = [None if y is None else y / MiB for y in _series(rows, "revffn", "routing_record_bytes", values)]
+            ax.plot(values, ys, "k--", marker="x", label="revffn routing records (apart)")
+            ax.set_yscale("log")
+        ax.set_xlabel(var)
+        ax.set_ylabel(label)
+        ax.set_xticks(values)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(describe(data), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+KINDS = {"bench": (bench_markdown, plot_bench), "sweep": (sweep_markdown, plot_sweep)}
+
+
+def render(data: dict, out_dir: Path, kind: str) -> list[str]:
+    """Write `{kind}.md` and `{kind}.png` (skipped, with a warning, where matplotlib is missing)."""
+    markdown, plot = KINDS[kind]
+    (Path(out_dir) / f"{kind}.md").write_text(markdown(data))
+    try:
+        plot(data, Path(out_dir) / f"{kind}.png")
+    except ImportError as e:
+        print(f"revffn bench: no {kind}.png ({e}); the JSON and markdown are complete", file=sys.stderr)
+        return [f"{kind}.md"]
+    return [f"{kind}.md", f"{kind}.png"]
+
+
+def write(data: dict, out_dir: Path, kind: str) -> list[str]:
+    """Write `{kind}.json` and render it; the files written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{kind}.json").write_text(json.dumps(data, indent=2) + "\n")
+    return [f"{kind}.json", *render(data, out_dir, kind)]
+
+
+def write_bench(data: dict, out_dir: Path) -> list[str]:
+    return write(data, out_dir, "bench")
+
+
+def write_sweep(data: dict, out_dir: Path) -> list[str]:
+    return write(data, out_dir, "sweep")
+
+
+def render_dir(out_dir: Path) -> list[str]:
+    """Regenerate .md and .png from the bench.json / sweep.json in `out_dir`; the files written."""
+    written = []
+    for kind in KINDS:
+        path = Path(out_dir) / f"{kind}.json"
+        if path.is_file():
+            written += render(json.loads(path.read_text()), Path(out_dir), kind)
+    return written
+
+
+if __name__ == "__main__":
+    print(" ".join(render_dir(Path(sys.argv[1]))) or "nothing to render")

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One prepared GPU benchmark: `revffn check` (bf16) and `revffn bench` (full, ckpt, revffn) at the
+# Qwen1.5-MoE-A2.7B geometry (config-only preset: random init, bf16), on one CUDA GPU, offline.
+# Finishes in about 5 minutes on an H100/H200 (8 of the 24 layers; the full depth needs ~130 GiB
+# for `full`: FULL_DEPTH=1 adds that run). Results (JSON, markdown, plot, log) go to $OUT if set,
+# else runs/gpu_bench.
+#
+#   bash scripts/gpu_bench.sh
+#   LAYERS=4 BATCH=4 SEQ=1024 STEPS=3 bash scripts/gpu_bench.sh
+#   TINY=1 bash scripts/gpu_bench.sh      # the same commands at a tiny scale on the CPU (checks the script)
+#
+# Needs: python with torch (CUDA), transformers, peft, safetensors, tokenizers, pyyaml, tqdm, psutil
+# (matplotlib optional: without it no .png). The repo runs from its checkout via PYTHONPATH (or is
+# installed with `pip install --no-deps -e .` if that works offline); nothing is downloaded.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+DEST="${OUT:-runs/gpu_bench}"
+mkdir -p "$DEST/bench"
+LOG="$DEST/gpu_bench.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+PY="${PYTHON:-python3}"
+
+MODEL="${MODEL:-qwen1.5-moe-a2.7b}"
+LAYERS="${LAYERS:-8}"; BATCH="${BATCH:-4}"; SEQ="${SEQ:-1024}"; STEPS="${STEPS:-3}"
+DEVICE="${DEVICE:-cuda}"; CHECK_LAYERS="${CHECK_LAYERS:-2}"; HIDDEN=()
+if [ "${TINY:-0}" = 1 ]; then
+  LAYERS=1; BATCH=1; SEQ=16; STEPS=1; DEVICE=cpu; CHECK_LAYERS=1; HIDDEN=(--hidden 64)
+fi
+
+log() { echo "[gpu_bench $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
+
+# -- the package: importable from the checkout, else an offline editable install --------------------
+if ! "$PY" -c "import revffn" 2>/dev/null; then
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  if ! "$PY" -c "import revffn" 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || true
+  fi
+fi
+missing=$("$PY" - <<'EOF'
+import importlib.util as u
+names = ["torch", "transformers", "peft", "safetensors", "tokenizers", "yaml", "tqdm", "psutil"]
+print(" ".join(n for n in names if u.find_spec(n) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+  log "missing Python packages: $missing (install them from local wheels; this script never downloads)"
+  exit 2
+fi
+if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  log "no CUDA device visible to torch; run with TINY=1 for the CPU smoke version"
+  exit 2
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi >"$DEST/nvidia-smi.txt" 2>&1
+log "python $("$PY" -c 'import sys, torch, transformers, peft; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)')"
+
+status=0
+# -- 1. consistency check, bf16, at the real width (2 layers: three model copies live at once) -------
+log "revffn check --model $MODEL --layers $CHECK_LAYERS --dtype bfloat16 --device $DEVICE"
+timeout 240 "$PY" -m revffn check --model "$MODEL" --layers "$CHECK_LAYERS" ${HIDDEN[@]+"${HIDDEN[@]}"} --dtype bfloat16 \
+  --device "$DEVICE" --json >"$DEST/check.json" 2>>"$LOG"
+rc=$?; log "check exit code $rc: $(head -c 400 "$DEST/check.json")"; [ $rc -ne 0 ] && status=1
+
+# -- 2. bench: full vs ckpt vs revffn, fresh process each, 150 s per method at most -----------------
+run_bench() {  # $1: layers, $2: output dir
+  log "revffn bench --model $MODEL --layers $1 --batch $BATCH --seq $SEQ --steps $STEPS (bf16, $DEVICE)"
+  "$PY" -m revffn bench --model "$MODEL" --methods full,ckpt,revffn --layers "$1" ${HIDDEN[@]+"${HIDDEN[@]}"} \
+    --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --dtype bfloat16 --device "$DEVICE" --timeout 150 \
+    --out "$2" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "bench exit code $rc (1: a method failed, e.g. out of memory; its row says why)"
+  [ -f "$2/bench.md" ] && cat "$2/bench.md" | tee -a "$LOG" >/dev/null
+  [ $rc -gt 1 ] && status=1
+}
+run_bench "$LAYERS" "$DEST/bench"
+if [ "${FULL_DEPTH:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
+  mkdir -p "$DEST/bench_full_depth"
+  run_bench 24 "$DEST/bench_full_depth"
+fi
+log "done: $DEST (check.json, bench/bench.json|md|png, gpu_bench.log)"
+exit $status

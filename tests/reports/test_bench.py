@@ -1,0 +1,124 @@
+"""`revffn bench`: outputs and their keys, failed methods as rows, rendering from JSON, sweeps."""
+
+import json
+import shutil
+
+import pytest
+
+from revffn import cli
+from revffn.reports import bench, bench_worker
+from revffn.reports.bench import BenchSpec, resolve, run_bench, worker_args
+from revffn.reports.render import bench_markdown, write_bench
+
+ROW_KEYS = ("method", "status", "peak_mem_bytes", "activation_bytes", "routing_record_bytes", "trainable_params",
+            "grad_bytes", "optimizer_state_bytes", "tokens_per_s", "param_bytes", "static_bytes",
+            "est_static_bytes", "est_activation_bytes")
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    """One real bench (a fresh process per method); dora's worker is made to fail."""
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REVFFN_BENCH_FAULT", "dora=raise")
+        rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full,revffn,lora,dora", "--layers", "2",
+                       "--batch", "2", "--seq", "32", "--steps", "1", "--out", str(out)])
+    assert rc == 1  # a method failed; the others were still measured and written
+    return out
+
+
+def test_bench_writes_json_markdown_plot_with_the_keys(bench_dir):
+    assert {p.name for p in bench_dir.iterdir()} >= {"bench.json", "bench.md", "bench.png"}
+    data = json.loads((bench_dir / "bench.json").read_text())
+    info, meta = data["run_info"], data["meta_info"]
+    assert info["command"].startswith("revffn bench --model tiny-qwen2-moe")
+    assert info["args"]["layers"] == 2 and info["args"]["device"] == "cpu" and info["args"]["dtype"] == "float32"
+    assert "git_commit" in info
+    for key in ("torch", "transformers", "peft", "python", "cpu", "torch_threads"):
+        assert meta[key], key
+    rows = {r["method"]: r for r in data["results"]}
+    assert list(rows) == ["full", "revffn", "lora", "dora"]
+    for m in ("full", "revffn", "lora"):
+        r = rows[m]
+        assert r["status"] == "ok", r
+        for key in ROW_KEYS:
+            assert key in r, (m, key)
+        assert r["peak_mem_bytes"] > 0 and r["tokens_per_s"] > 0 and r["geometry"]["num_hidden_layers"] == 2
+        assert r["static_bytes"] == pytest.approx(r["est_static_bytes"], rel=0.15)
+        assert r["activation_bytes"] == pytest.approx(r["est_activation_bytes"], rel=0.15)
+    assert rows["revffn"]["activation_bytes"] < rows["full"]["activation_bytes"] / 4
+    assert rows["revffn"]["routing_record_bytes"] == 2 * 2 * 32 * 2  # layers x tokens x top-2, one byte each
+    assert rows["full"]["routing_record_bytes"] == 0
+    assert rows["lora"]["trainable_params"] < rows["full"]["trainable_params"] / 2
+    md = (bench_dir / "bench.md").read_text()
+    assert "| revffn | ok |" in md and "÷ full" in md
+
+
+def test_a_failed_method_is_a_row_and_the_others_are_ok(bench_dir):
+    data = json.loads((bench_dir / "bench.json").read_text())
+    rows = {r["method"]: r for r in data["results"]}
+    assert rows["dora"]["status"] == "error" and "injected fault" in rows["dora"]["error"]
+    assert "est_static_bytes" in rows["dora"]  # the estimate is there even when the run failed
+    assert all(rows[m]["status"] == "ok" for m in ("full", "revffn", "lora"))
+    md = (bench_dir / "bench.md").read_text()
+    assert "| dora | error |" in md and "Failed:" in md and "injected fault" in md
+
+
+def test_render_from_json_alone_reproduces_the_markdown(bench_dir, tmp_path):
+    shutil.copy(bench_dir / "bench.json", tmp_path / "bench.json")
+    assert cli.main(["bench", "--render", str(tmp_path)]) == 0
+    assert (tmp_path / "bench.md").read_text() == (bench_dir / "bench.md").read_text()
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert cli.main(["bench", "--render", str(tmp_path / "nothing")]) == 2
+
+
+def test_parent_survives_killed_garbage_and_hanging_workers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "WORKER_MODULE", "tests.reports.fake_worker")
+    spec = resolve(BenchSpec("tiny-qwen2-moe", ["full", "revffn", "lora", "dora"], layers=1, batch=1, seq=8,
+                             timeout=3))
+    data = run_bench(spec, ["bench"])
+    rows = {r["method"]: r for r in data["results"]}
+    assert rows["revffn"]["status"] == "ok" and rows["revffn"]["static_bytes"] == 4000
+    assert rows["full"]["status"] == "error" and "signal 9" in rows["full"]["error"]
+    assert rows["lora"]["status"] == "error" and "exit code 1" in rows["lora"]["error"] and "boom" in rows["lora"][
+        "error"]
+    assert rows["dora"]["status"] == "error" and "timed out" in rows["dora"]["error"]
+    err = capsys.readouterr().err
+    assert "[2/4] revffn ... ok" in err and "[4/4] dora ... error" in err
+    write_bench(data, tmp_path)
+    md = bench_markdown(data)
+    assert "Failed:" in md and all(f"| {m} | error |" in md for m in ("full", "lora", "dora"))
+
+
+def test_out_of_memory_is_its_own_status(monkeypatch):
+    monkeypatch.setenv("REVFFN_BENCH_FAULT", "full=oom")
+    spec = resolve(BenchSpec("tiny-qwen2-moe", ["full"], layers=1, batch=1, seq=8))
+    row = bench_worker.run(worker_args(spec, "full"))
+    assert row["status"] == "oom" and "MemoryError" in row["error"]
+
+
+def test_sweep_over_layers_on_a_config_only_preset(tmp_path):
+    """The Qwen1.5-MoE-A2.7B geometry (random init), narrowed: the CPU path of scripts/gpu_bench.sh."""
+    rc = cli.main(["bench", "--model", "qwen1.5-moe-a2.7b", "--hidden", "64", "--methods", "full,revffn",
+                   "--batch", "1", "--seq", "16", "--steps", "1", "--dtype", "bfloat16", "--sweep", "layers=1,2",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"sweep.json", "sweep.md", "sweep.png"}
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["sweep"] == {"variable": "layers", "values": [1, 2]}
+    acts = {(r["method"], r["value"]): r["activation_bytes"] for r in data["results"] if r["status"] == "ok"}
+    assert len(acts) == 4
+    assert acts["revffn", 2] <= 1.05 * acts["revffn", 1]
+    assert acts["full", 2] > 1.5 * acts["full", 1]
+    records = {r["value"]: r["routing_record_bytes"] for r in data["results"] if r["method"] == "revffn"}
+    assert records[2] == 2 * records[1] == 2 * 16 * 4  # top-4 of 60 experts, one byte each, not in activations
+    md = (tmp_path / "sweep.md").read_text()
+    assert "layers=2" in md and "revffn routing records" in md
+
+
+@pytest.mark.parametrize("argv", [["--methods", "full,fulll"], ["--sweep", "depth=1,2"], ["--sweep", "layers=0"],
+                                  ["--model", "tiny-nope"], ["--dtype", "float16"], ["--set", "lora.r=0"]])
+def test_bad_input_exit_2(tmp_path, argv, capsys):
+    assert cli.main(["bench", "--out", str(tmp_path), "--layers", "1", *argv]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "bench.json").exists()

@@ -1,0 +1,47 @@
+"""`revffn estimate`: a readable breakdown, one JSON object, exit 2 on bad input."""
+
+import json
+
+import pytest
+
+from revffn import cli
+
+
+def test_prints_a_breakdown(capsys):
+    assert cli.main(["estimate", "--model", "qwen1.5-moe-a2.7b", "--method", "revffn", "--batch", "8",
+                     "--seq", "2048", "--gpu-mem", "80GB"]) == 0
+    out = capsys.readouterr().out
+    for word in ("memory estimate", "weights", "optimizer_states", "activations", "routing records", "total",
+                 "fits on this GPU (80GB): no"):
+        assert word in out, word
+
+
+def test_json_is_one_object(capsys):
+    assert cli.main(["estimate", "--model", "tiny-olmoe", "--method", "lora", "--batch", "2", "--seq", "64",
+                     "--dtype", "float32", "--option", "rank=8", "--gpu-mem", "1GiB", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["method"] == "lora" and est["fits"] is True and est["gpu_mem"] == "1GiB"
+    assert est["total"] == sum(est[k] for k in ("weights", "grads", "optimizer_states", "activations", "logits",
+                                                "overhead"))
+
+
+def test_layers_and_hidden_overrides_scale_the_estimate(capsys):
+    def total(*extra):
+        assert cli.main(["estimate", "--model", "qwen1.5-moe-a2.7b", "--method", "full", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["total"]
+
+    assert total("--layers", "4") < total("--layers", "8") < total()
+    assert total("--layers", "4", "--hidden", "1024") < total("--layers", "4")
+
+
+@pytest.mark.parametrize("argv,word", [(["--gpu-mem", "80"], "--gpu-mem"), (["--gpu-mem", "lots"], "--gpu-mem"),
+                                       (["--model", "qwen1.5-moe"], "qwen1.5-moe-a2.7b"),
+                                       (["--method", "fulll"], "full"), (["--option", "rank=4"], "rank"),
+                                       (["--dtype", "float8"], "dtype")])
+def test_bad_input_exit_2(argv, word, capsys):
+    base = {"--model": "tiny-qwen2-moe", "--method": "full"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    assert cli.main(["estimate", *[x for kv in base.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert word in err and err.count("\n") == 1
