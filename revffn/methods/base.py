@@ -15,6 +15,10 @@ from torch import nn
 
 
 class Method(Protocol):
+    """Required: SCHEMA, validate, prepare, optimizer_parameters, set_trainable, export.
+    Optional (see `hook`): schedule_position, schedule_length, after_step, log_metrics,
+    state_dict, load_state_dict."""
+
     name: ClassVar[str]
     SCHEMA: ClassVar[dict]  # option name -> training.config.Key, under the YAML section `name:`
 
@@ -50,6 +54,22 @@ class Method(Protocol):
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """Write the final model to out_dir (model files + revffn.json); tokenizer is added by the loop."""
+
+
+_OPTIONAL = {
+    "schedule_position": lambda step: step,
+    "schedule_length": lambda max_steps: max_steps,
+    "after_step": lambda step, model, optimizer: None,
+    "log_metrics": lambda model, optimizer: {},
+    "state_dict": lambda: {},
+    "load_state_dict": lambda state: None,
+}
+
+
+def hook(method, name: str):
+    """`method.<name>` if the method defines it, else the optional hook's default (identity
+    schedule, no-op step hook, no extra metrics, no state): most methods define none of them."""
+    return getattr(method, name, None) or _OPTIONAL[name]
 
 
 def set_requires_grad(model: nn.Module, trainable: set[int]) -> None:

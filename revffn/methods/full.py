@@ -37,24 +37,6 @@ class FullMethod:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return "full"
 
-    def schedule_position(self, step: int) -> int:
-        return step
-
-    def schedule_length(self, max_steps: int) -> int:
-        return max_steps
-
-    def after_step(self, step, model, optimizer) -> None:
-        pass
-
-    def log_metrics(self, model, optimizer) -> dict:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
     def export(self, model, out_dir: Path) -> None:
         """A plain HF `save_pretrained` directory (safetensors), loadable by HF and `revffn.load`."""
         model.hf.save_pretrained(out_dir)

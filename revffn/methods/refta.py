@@ -101,24 +101,6 @@ class ReFTAMethod:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
-    def schedule_position(self, step: int) -> int:
-        return step
-
-    def schedule_length(self, max_steps: int) -> int:
-        return max_steps
-
-    def after_step(self, step, model, optimizer) -> None:
-        pass
-
-    def log_metrics(self, model, optimizer) -> dict:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
     def export(self, model, out_dir: Path) -> None:
         """Merge ΔW into the base weights (in place), then a plain HF `save_pretrained` directory."""
         merge(model)

@@ -62,24 +62,6 @@ class RevFFNMethod:
         set_requires_grad(model, {id(p) for p in params})
         return stage
 
-    def schedule_position(self, step: int) -> int:
-        return step
-
-    def schedule_length(self, max_steps: int) -> int:
-        return max_steps
-
-    def after_step(self, step, model, optimizer) -> None:
-        pass
-
-    def log_metrics(self, model, optimizer) -> dict:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}  # the stage is a function of the step
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
     def export(self, model, out_dir: Path) -> None:
         """The converted model's weights (safetensors), the base HF config, and revffn.json."""
         model.config.save_pretrained(out_dir)

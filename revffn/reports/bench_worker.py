@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
 from revffn.methods import METHODS
+from revffn.methods.base import hook
 from revffn.reports.bench_model import build_hf, train_config
 from revffn.training.loop import _decay_groups
 
@@ -155,7 +156,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(with_grad, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        method.after_step(first + i, model, optimizer)
+        hook(method, "after_step")(first + i, model, optimizer)
         sync()
         t_opt = time.perf_counter() - t1
         active = {id(p) for p in trainable}
