@@ -131,8 +131,9 @@ def format_report(r: dict) -> str:
     for k in keys:
         if k in r:
             v = r[k]
-            tol = f"  (tolerance {TOL[k]:g})" if k in TOL and (k != "err_ratio_vs_fp32" or r["dtype"] != "float32") \
-                and not (r["dtype"] == "bfloat16" and k != "err_ratio_vs_fp32") else ""
+            # bf16 is judged on err_ratio_vs_fp32 only; fp32 on the other two tolerances
+            judged = (k == "err_ratio_vs_fp32") == (r["dtype"] == "bfloat16")
+            tol = f"  (tolerance {TOL[k]:g})" if k in TOL and judged else ""
             lines.append(f"  {k:<26} {v:.4g}{tol}" if isinstance(v, float) else f"  {k:<26} {v}{tol}")
     lines.append("  PASSED" if r["passed"] else "  FAILED")
     return "\n".join(lines)

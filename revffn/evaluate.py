@@ -9,6 +9,7 @@ assistant message) after collapsing whitespace. When the reference ends with an 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -30,23 +31,35 @@ def is_match(prediction: str, reference: str) -> bool:
 
 
 @torch.no_grad()
+def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast) -> float:
+    """Teacher-forced mean loss per predicted token over a tokenized dataset (used by train and eval)."""
+    from revffn.data.collate import collate
+
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
+    for i in range(0, len(dataset.items), batch_size):
+        batch = {k: v.to(device) for k, v in collate(dataset.items[i : i + batch_size], pad_id).items()}
+        with autocast():
+            out = model(**batch, return_logits=False)
+        total += out.loss_sum.float()
+        count += out.n_tokens
+    model.train(was_training)
+    return (total / count.clamp(min=1)).item()
+
+
+@torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, batch_size: int = 16,
              max_new_tokens: int = 48, limit: int | None = None) -> dict:
     """Teacher-forced loss/perplexity over all examples; exact match over the first `limit` with answers."""
-    from revffn.data.collate import collate, tokenize_dataset
+    from revffn.data.collate import tokenize_dataset
     from revffn.data.templates import render_prompt
     from revffn.inference import generate_from_texts
 
     model.eval()
     device = next(model.parameters()).device
     data = tokenize_dataset(examples, tokenizer, max_seq_length, False, "data")
-    total, count = 0.0, 0
-    for i in range(0, len(data.items), batch_size):
-        batch = {k: v.to(device) for k, v in collate(data.items[i : i + batch_size], tokenizer.pad_token_id).items()}
-        out = model(**batch, return_logits=False)
-        total += float(out.loss_sum)
-        count += int(out.n_tokens)
-    loss = total / max(count, 1)
+    loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext)
     scored = [e for e in examples if e.get("answer") is not None]
     if limit is not None:
         scored = scored[:limit]

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from revffn.errors import UserError
+from revffn.evaluate import eval_loss
 from revffn.memory.measure import peak_memory_bytes
 from revffn.methods import METHODS
 from revffn.methods.base import hook
@@ -57,23 +58,6 @@ def _decay_groups(params, weight_decay: float) -> list[dict]:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-@torch.no_grad()
-def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast) -> float:
-    from revffn.data.collate import collate
-
-    was_training = model.training
-    model.eval()
-    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    for i in range(0, len(dataset.items), batch_size):
-        batch = {k: v.to(device) for k, v in collate(dataset.items[i : i + batch_size], pad_id).items()}
-        with autocast():
-            out = model(**batch, return_logits=False)
-        total += out.loss_sum.float()
-        count += out.n_tokens
-    model.train(was_training)
-    return (total / count.clamp(min=1)).item()
 
 
 def train(cfg, restarts: int = 0) -> dict:
