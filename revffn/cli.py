@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from revffn.errors import UserError
 
@@ -74,6 +75,32 @@ def cmd_bench(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_study(args) -> int:
+    from revffn.reports.study import plan_for, run_study
+    from revffn.reports.study_render import write_study
+
+    out = Path(args.out)
+    docs = Path(args.docs) if args.docs else None
+    if args.render:
+        if not (out / "study.json").is_file():
+            raise UserError(f"--out {args.out}: no study.json there to render. Fix: give the --out DIR of a study.")
+        written = write_study(json.loads((out / "study.json").read_text()), out, docs)
+    else:
+        if (out / "study.json").exists():
+            raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
+                            "delete it first.")
+        methods = tuple(args.methods.split(",")) if args.methods else None
+        data = run_study(plan_for(args.quick, methods=methods, jobs=args.jobs), out, args.argv)
+        written = write_study(data, out, docs)
+        failed = [r["name"] for r in data["runs"] if r["status"] != "ok"]
+        if failed:
+            print(f"revffn study: failed runs: {', '.join(failed)}", file=sys.stderr)
+            print(f"revffn study: wrote {', '.join(written)} in {out}")
+            return 1
+    print(f"revffn study: wrote {', '.join(written)} in {out}")
+    return 0
+
+
 def cmd_estimate(args) -> int:
     from revffn.memory.estimate import estimate, format_estimate, load_config, parse_size
     from revffn.reports.bench_model import config_overrides, model_kind
@@ -123,17 +150,18 @@ def cmd_validate(args) -> int:
 
 
 def _load_for_cli(model_dir: str, seed: int = 0):
-    """A final/ directory, any HF directory, or a tiny preset (random init, shipped tokenizer)."""
+    """A final/ directory, any HF directory, builtin:base, or a tiny preset (random init, shipped tokenizer)."""
     from revffn.data.tokenizer import load_tokenizer
     from revffn.inference import load
     from revffn.models.causal_lm import CausalLM
-    from revffn.models.loading import check_model_ref, load_hf
+    from revffn.models.loading import check_model_ref, load_hf, resolve_model_ref
     from revffn.models.presets import TINY_PRESETS
 
     check_model_ref(model_dir, "MODEL_DIR")
     if model_dir in TINY_PRESETS:
         tok = load_tokenizer(None)
         return CausalLM(load_hf(model_dir, seed=seed, vocab_size=len(tok))).eval(), tok
+    model_dir = resolve_model_ref(model_dir)
     return load(model_dir), load_tokenizer(model_dir)
 
 
@@ -215,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="estimator option: rank=8, group_size=2, freeze_router=false, padded=false, ...")
     s.add_argument("--json", action="store_true", help="print exactly one JSON object")
     s.set_defaults(fn=cmd_estimate)
+
+    q = sub.add_parser("study", help="quality study: every method fine-tunes the shipped base on the built-in tasks")
+    q.add_argument("--out", required=True, help="output directory (study.json, study.md, plots, runs/)")
+    q.add_argument("--quick", action="store_true", help="tiny smoke version (< 1 min): 2 steps, one task, one seed")
+    q.add_argument("--docs", default=None, metavar="PATH", help="also write the report to PATH (e.g. docs/study.md)")
+    q.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all six)")
+    q.add_argument("--render", action="store_true", help="only re-render --out's study.md/plots from its study.json")
+    q.add_argument("--jobs", type=_positive, default=None, help="runs at once, each a fresh process (default 1; "
+                   "set REVFFN_STUDY_THREADS so jobs x threads fits the cores)")
+    q.set_defaults(fn=cmd_study)
 
     t = sub.add_parser("train", help="fine-tune a model from a YAML config (no config: the quickstart)")
     t.add_argument("config", nargs="?", default=None, help="YAML config; omit for the built-in quickstart")

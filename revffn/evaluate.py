@@ -70,3 +70,21 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
             "n_scored": len(hits), "n_examples": len(examples),
             "samples": [{"prompt": e["messages"][-2]["content"], "reference": e["answer"], "prediction": p}
                         for e, p in list(zip(scored, preds))[:3]]}
+
+
+RETENTION_SET = "builtin:retention_test"
+
+
+def retention_loss(model, tokenizer, data: str = RETENTION_SET, max_seq_length: int = 256,
+                   batch_size: int = 16, limit: int | None = None) -> float:
+    """Mean loss per token on held-out pretraining text (the shipped base's held-out set by default).
+
+    Measures what fine-tuning keeps of the pretraining distribution: the base's recorded value is in
+    `revffn/assets/base/base.json`; a rise after fine-tuning is forgetting. `limit`: first N documents only.
+    """
+    from revffn.data.collate import tokenize_dataset
+    from revffn.data.formats import load_examples
+
+    dataset = tokenize_dataset(load_examples(data, "retention data")[:limit], tokenizer, max_seq_length)
+    device = next(model.parameters()).device
+    return eval_loss(model, dataset, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext)

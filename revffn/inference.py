@@ -23,8 +23,10 @@ from revffn.errors import UserError
 END_TOKENS = ("<|end|>", "<|endoftext|>", "<|im_end|>", "</s>")
 
 
-def load(path: str, device: str | torch.device = "cpu") -> nn.Module:
-    """A model from a `final/` (or any save_pretrained) directory, ready for eval and generation."""
+def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model from a `final/` (or any save_pretrained) directory, ready for eval and generation.
+
+    Weights are cast to `dtype` (fp32 by default, whatever the dtype on disk)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -44,8 +46,8 @@ def load(path: str, device: str | torch.device = "cpu") -> nn.Module:
         model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream)
         load_model(model, str(root / "model.safetensors"))
     else:
-        model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True))
-    return model.to(device).eval()
+        model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def stop_ids(tokenizer) -> set[int]:

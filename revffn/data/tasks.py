@@ -8,7 +8,10 @@ alpaca-style dicts (`instruction`, `input`, `output`) with distinct prompts (ins
 * `format_task`: reverse the order of 2-4 words from a 40-word vocabulary,
   e.g. instruction "Reverse the order of these words.", input "red cat sun" -> "sun cat red".
 * `quickstart`: the same reversal on 2-3 words from a 12-word vocabulary, all in the instruction
-  ("Reverse: red cat sun" -> "sun cat red"): short and learnable by a tiny random model in minutes.
+  ("Reverse: red cat sun" -> "sun cat red"): short and learnable by a tiny *random* model in minutes.
+* `commas`: a format transformation, "Put commas between: rope ink tea" -> "rope, ink, tea" (2-3 nouns
+  from `revffn.data.corpus.ITEMS`, which the base's pretraining text lists as "rope, ink and tea"; the
+  instruction and the comma-only answer never occur there). The quickstart task on the shipped base.
 
 `write_builtin(out_dir)` writes the `builtin:NAME` files (see `BUILTIN_SPLITS`). Splits are cut from
 one pool of distinct prompts, so val/test prompts never occur in train.
@@ -102,11 +105,24 @@ def quickstart(n: int, seed: int = 0) -> list[dict]:
     return _distinct(n, seed, _quick_example)
 
 
+def _comma_example(rng: random.Random) -> dict:
+    from revffn.data.corpus import ITEMS  # nouns the base saw in lists; the task format it never saw
+
+    words = [rng.choice(ITEMS) for _ in range(rng.randint(2, 3))]
+    return {"instruction": "Put commas between: " + " ".join(words), "input": "", "output": ", ".join(words)}
+
+
+def commas(n: int, seed: int = 0) -> list[dict]:
+    """`n` distinct format transformations: "Put commas between: red cat sun" -> "red, cat, sun" (2-5 words)."""
+    return _distinct(n, seed, _comma_example)
+
+
 # builtin name prefix -> (generator, seed, [(split, size), ...]); splits are consecutive slices of one pool.
 BUILTIN_SPLITS: dict[str, tuple[Callable[[int, int], list[dict]], int, list[tuple[str, int]]]] = {
     "quickstart": (quickstart, 1234, [("train", 600), ("test", 64)]),
     "gsm": (mini_gsm, 2345, [("train", 1000), ("val", 100), ("test", 100)]),
     "format": (format_task, 3456, [("train", 1000), ("val", 100), ("test", 100)]),
+    "commas": (commas, 4567, [("train", 1000), ("val", 100), ("test", 100)]),
 }
 
 

@@ -10,6 +10,9 @@ import torch
 from revffn.errors import UserError, closest
 from revffn.models.presets import TINY_PRESETS, tiny_model
 
+# Models shipped inside the package, usable wherever a model directory is accepted.
+SHIPPED_MODELS = {"builtin:base": Path(__file__).resolve().parent.parent / "assets" / "base"}
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -20,10 +23,19 @@ def parse_dtype(name: str, key: str = "dtype") -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_model_ref(model: str) -> str:
+    """`builtin:base` -> the shipped base model's directory; any other reference unchanged."""
+    return str(SHIPPED_MODELS[model]) if model in SHIPPED_MODELS else model
+
+
 def check_model_ref(model: str, key: str = "model") -> None:
-    """Raise a UserError unless `model` is a preset or a local HF directory with config.json."""
+    """Raise a UserError unless `model` is a preset, a shipped model or a local HF directory with config.json."""
     if model in TINY_PRESETS:
         return
+    if model.startswith("builtin:") and model not in SHIPPED_MODELS:
+        raise UserError(f"{key}: unknown shipped model {model!r}. Fix: use {', '.join(SHIPPED_MODELS)}, a preset "
+                        f"({', '.join(TINY_PRESETS)}) or a local HF model directory.")
+    model = resolve_model_ref(model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -43,6 +55,7 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
     check_model_ref(model)
     if model in TINY_PRESETS:
         return tiny_model(model, seed=seed, dtype=dtype, **config_overrides)
+    model = resolve_model_ref(model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 

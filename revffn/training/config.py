@@ -36,7 +36,8 @@ class Key:
 
 # Names follow LLaMA-Factory / TRL / HF TrainingArguments where one exists.
 SCHEMA: dict[str, Key] = {
-    "model": Key(str, None, "preset name (tiny-qwen2-moe, ...) or local HF model directory", required=True),
+    "model": Key(str, None, "builtin:base, preset name (tiny-qwen2-moe, ...) or local HF model directory",
+                 required=True),
     "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
     "method": Key(str, "revffn", "fine-tuning method (see `revffn train --help-methods`)"),
     "data": Key(str, None, "training data: JSON/JSONL file, or builtin:NAME", required=True),

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from revffn.errors import UserError
-from revffn.models.loading import check_model_ref
+from revffn.models.loading import check_model_ref, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
 
@@ -95,7 +95,7 @@ def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
 def tokenizer_ref(cfg) -> str | None:
     if cfg.tokenizer:
         return cfg.tokenizer
-    return None if cfg.model in TINY_PRESETS else cfg.model
+    return None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model)
 
 
 def prepare_run(cfg) -> RunPlan:

@@ -24,7 +24,8 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     assert any("eval_loss" in r for r in rows)
     assert [r["stage"] for r in rows][0] == "warmup" and rows[-1]["stage"] == "joint"
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    gen = _run("generate", str(out / "final"), "--prompt", "Reverse: red blue cat", "--max-new-tokens", "8")
+    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: red blue cat",
+               "--max-new-tokens", "8")
     assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt
     again = _run("train", f"output_dir={out}", "max_steps=30")
     assert again.returncode == 2 and "already holds a run" in again.stderr
@@ -34,10 +35,10 @@ def test_quickstart_short_leaves_every_output(tmp_path):
 def test_full_quickstart_learns_the_task(tmp_path):
     out = tmp_path / "qs"
     assert _run("train", f"output_dir={out}", timeout=900).returncode == 0
-    ev = _run("eval", str(out / "final"), "--data", "builtin:quickstart_test", "--json")
+    ev = _run("eval", str(out / "final"), "--data", "builtin:commas_test", "--json")
     report = json.loads(ev.stdout)
-    before = json.loads(_run("eval", "tiny-qwen2-moe", "--data", "builtin:quickstart_test", "--json").stdout)
+    before = json.loads(_run("eval", "builtin:base", "--data", "builtin:commas_test", "--json").stdout)
     print("exact match before", before["exact_match"], "after", report["exact_match"])
-    assert report["exact_match"] >= 0.9 > before["exact_match"]
-    gen = _run("generate", str(out / "final"), "--prompt", "Reverse: red blue cat")
-    assert gen.stdout.strip() == "cat blue red"
+    assert report["exact_match"] >= 0.8 > before["exact_match"]
+    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: red blue cat")
+    assert gen.stdout.strip() == "red, blue, cat"

@@ -1,0 +1,116 @@
+"""`revffn study`: the quick smoke run end to end, LR selection on val only, aggregation, rendering."""
+
+import json
+
+import pytest
+
+from revffn import cli
+from revffn.reports.study import QUICK, StudyPlan, select_lr, summarize
+from revffn.reports.study_render import goal_check, study_markdown, write_study
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """The CI smoke version: all six methods, 2 steps each, one shared worker process."""
+    root = tmp_path_factory.mktemp("study")
+    rc = cli.main(["study", "--quick", "--out", str(root / "out"), "--docs", str(root / "docs" / "study.md")])
+    assert rc == 0
+    return root
+
+
+def test_quick_study_runs_every_method_and_writes_the_report(quick):
+    data = json.loads((quick / "out" / "study.json").read_text())
+    assert data["command"] == f"revffn study --quick --out {quick / 'out'} --docs {quick / 'docs' / 'study.md'}"
+    assert [r["status"] for r in data["runs"]] == ["ok"] * 6
+    assert [r["method"] for r in data["summary"]] == list(QUICK.methods)
+    for row in data["summary"]:
+        assert 0.0 <= row["test_exact_match"]["mean"] <= 1.0
+        assert row["retention_loss"]["mean"] > 0 and row["tokens_per_s"]["mean"] > 0
+        assert row["retention_change"]["mean"] == pytest.approx(row["retention_loss"]["mean"]
+                                                                - data["base_retention_loss"])
+    for run in data["runs"]:  # each run went through the one loop and left its config and metrics
+        run_dir = quick / "out" / "runs" / run["name"]
+        assert (run_dir / "final" / "config.json").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+        assert len(run["curve"]) == QUICK.steps
+    gap = data["conversion_gap"]
+    assert len(gap) == 1 and gap[0]["default"] and gap[0]["base"] == data["base_retention_loss"]
+    md = (quick / "docs" / "study.md").read_text()
+    assert md.startswith("# RevFFN quality study\n\nRegenerate: `revffn study --quick")
+    assert "| commas | revffn |" in md and "![study_accuracy.png](study/study_accuracy.png)" in md
+    for name in ("study_accuracy.png", "study_loss.png", "study_gap.png", "study.json"):
+        assert (quick / "docs" / "study" / name).stat().st_size > 1000
+
+
+def test_study_refuses_an_existing_study_and_rerenders(quick, capsys):
+    out = quick / "out"
+    assert cli.main(["study", "--quick", "--out", str(out)]) == 2
+    assert "holds a study already" in capsys.readouterr().err
+    (out / "study.md").unlink()
+    assert cli.main(["study", "--out", str(out), "--render"]) == 0
+    assert (out / "study.md").read_text().startswith("# RevFFN quality study")
+    assert cli.main(["study", "--out", str(quick / "empty"), "--render"]) == 2
+
+
+def test_a_failing_method_is_an_error_row_and_exit_1(tmp_path, monkeypatch):
+    monkeypatch.setenv("REVFFN_STUDY_FAULT", "lora")
+    assert cli.main(["study", "--quick", "--methods", "full,lora", "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "study.json").read_text())
+    status = {r["job"]["method"]: r["status"] for r in data["runs"]}
+    assert status == {"full": "ok", "lora": "error"}
+    assert "injected fault in lora" in next(r["error"] for r in data["runs"] if r["status"] == "error")
+    assert "## Failed runs" in (tmp_path / "study.md").read_text()
+
+
+def _run(method, task, seed, lr, val=None, test=0.5, val_loss=1.0, retention=2.0):
+    row = {"name": f"{method}-{task}-{seed}-{lr}", "status": "ok", "test_exact_match": test,
+           "retention_loss": retention, "peak_mem_bytes": 100, "tokens_per_s": 10.0, "curve": [[1, 1.0]],
+           "job": {"method": method, "task": task, "seed": seed, "lr": lr}}
+    if val is not None:
+        row.update(val_exact_match=val, val_loss=val_loss)
+    return row
+
+
+def test_lr_is_selected_on_val_never_on_test():
+    rows = [_run("full", "gsm", 0, 1e-4, val=0.6, test=0.1), _run("full", "gsm", 0, 3e-4, val=0.4, test=0.9)]
+    assert select_lr(rows) == 1e-4
+    tie = [_run("full", "gsm", 0, 1e-4, val=0.5, val_loss=2.0), _run("full", "gsm", 0, 3e-4, val=0.5, val_loss=1.5)]
+    assert select_lr(tie) == 3e-4
+
+
+def test_summary_aggregates_seeds_at_the_chosen_lr():
+    plan = StudyPlan(methods=("full", "revffn"), tasks=("gsm",))
+    runs = [_run("full", "gsm", 0, 1e-4, val=0.5, test=0.4, retention=2.5),
+            _run("full", "gsm", 1, 1e-4, test=0.6, retention=2.7),
+            _run("full", "gsm", 0, 3e-4, val=0.1, test=1.0, retention=9.0),  # not chosen: left out
+            _run("revffn", "gsm", 0, 1e-4, val=0.5, test=0.3), _run("revffn", "gsm", 1, 1e-4, test=0.5)]
+    rows = summarize(plan, runs, {"full/gsm": 1e-4, "revffn/gsm": 1e-4}, base_loss=2.0)
+    full = rows[0]
+    assert full["test_exact_match"]["mean"] == pytest.approx(0.5)
+    assert (full["test_exact_match"]["min"], full["test_exact_match"]["max"]) == (0.4, 0.6)
+    assert full["retention_change"]["mean"] == pytest.approx(0.6)
+    assert full["val_exact_match_by_lr"] == {"0.0001": 0.5, "0.0003": 0.1}
+
+
+def test_goal_check_reports_shortfalls():
+    plan = StudyPlan(methods=("full", "revffn", "lora", "dora"), tasks=("gsm",))
+    runs = [_run("full", "gsm", 0, 1e-4, val=1, test=0.8, retention=2.1),
+            _run("revffn", "gsm", 0, 1e-4, val=1, test=0.5, retention=2.3),
+            _run("lora", "gsm", 0, 1e-4, val=1, test=0.6), _run("dora", "gsm", 0, 1e-4, val=1, test=0.4)]
+    chosen = {f"{m}/gsm": 1e-4 for m in plan.methods}
+    data = {"plan": {"tasks": ["gsm"]}, "summary": summarize(plan, runs, chosen, base_loss=2.0)}
+    (line,) = goal_check(data)
+    assert "RevFFN < LoRA (50.0 vs 60.0) ✗" in line and "RevFFN ≥ DoRA (50.0 vs 40.0) ✓" in line
+    assert "within 2 points of full: -30.0 ✗" in line and "+0.300 vs +0.100 ✗" in line
+
+
+def test_markdown_renders_from_json_alone(tmp_path):
+    plan = StudyPlan(methods=("full",), tasks=("gsm",), seeds=(0,), gap_variants=())
+    runs = [_run("full", "gsm", 0, 1e-4, val=0.5)]
+    data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(plan.__dict__)), "wall_s": 60,
+            "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 2.0,
+            "chosen_lr": {"full/gsm": 1e-4}, "summary": summarize(plan, runs, {"full/gsm": 1e-4}, 2.0),
+            "conversion_gap": [], "runs": runs}
+    write_study(data, tmp_path)
+    md = study_markdown(data)
+    assert "| gsm | full | 0.0001 (0.0001, 0.0003) | 50.0 | 2.000 | +0.000 |" in md
+    assert (tmp_path / "study_accuracy.png").exists() and not (tmp_path / "study_gap.png").exists()
