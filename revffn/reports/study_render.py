@@ -182,7 +182,6 @@ def plot_gap(data: dict, path: Path) -> None:
     ax.set_xticks([j + width * 1.5 for j in range(len(gap))],
                   [f"{g['adapter_init']}\nwarm-up {g['adapter_warmup_steps']}" for g in gap])
     ax.set_ylabel("retention loss (nats/token)")
-    ax.set_yscale("log")
     ax.set_title("RevFFN conversion gap on held-out pretraining text")
     ax.legend(fontsize=7)
     _save(fig, path)

@@ -112,5 +112,5 @@ def test_markdown_renders_from_json_alone(tmp_path):
             "conversion_gap": [], "runs": runs}
     write_study(data, tmp_path)
     md = study_markdown(data)
-    assert "| gsm | full | 0.0001 (0.0001, 0.0003) | 50.0 | 2.000 | +0.000 |" in md
+    assert "| gsm | full | 0.0001 (0.0003, 0.001) | 50.0 | 2.000 | +0.000 |" in md
     assert (tmp_path / "study_accuracy.png").exists() and not (tmp_path / "study_gap.png").exists()

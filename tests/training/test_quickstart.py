@@ -24,10 +24,10 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     assert any("eval_loss" in r for r in rows)
     assert [r["stage"] for r in rows][0] == "warmup" and rows[-1]["stage"] == "joint"
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: red blue cat",
+    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: rope ink tea",
                "--max-new-tokens", "8")
     assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt
-    again = _run("train", f"output_dir={out}", "max_steps=30")
+    again = _run("train", f"output_dir={out}", "max_steps=30", "revffn.adapter_warmup_steps=5")
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
@@ -40,5 +40,5 @@ def test_full_quickstart_learns_the_task(tmp_path):
     before = json.loads(_run("eval", "builtin:base", "--data", "builtin:commas_test", "--json").stdout)
     print("exact match before", before["exact_match"], "after", report["exact_match"])
     assert report["exact_match"] >= 0.8 > before["exact_match"]
-    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: red blue cat")
-    assert gen.stdout.strip() == "red, blue, cat"
+    gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: rope ink tea")
+    assert gen.stdout.strip() == "rope, ink, tea"
