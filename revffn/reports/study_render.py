@@ -71,7 +71,7 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         f"{plan['steps']} optimizer steps × batch {plan['batch']} (same batches), cosine LR with "
         f"{plan['warmup_steps']} warm-up steps, fp32. LR chosen per method and task from the declared grid by "
         f"val exact match (seed {plan['seeds'][0]}); test numbers are mean [min–max] over seeds {seeds}. "
-        f"RevFFN: {plan['revffn']}.",
+        f"RevFFN: {plan['revffn']}. What the numbers say, and what was tried: README, \"Quality study\".",
         "",
         "| task | method | LR (grid) | test exact match % | retention loss | Δ retention | peak mem MiB | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
