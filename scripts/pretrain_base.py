@@ -111,7 +111,6 @@ def main() -> None:
         info = json.loads((Path(args.out) / "base.json").read_text())
         write_docs(info, Path(args.work) / "run" / "metrics.jsonl", Path(args.docs))
         return
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     from revffn.data.tokenizer import load_tokenizer
     from revffn.evaluate import retention_loss

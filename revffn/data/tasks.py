@@ -113,7 +113,7 @@ def _comma_example(rng: random.Random) -> dict:
 
 
 def commas(n: int, seed: int = 0) -> list[dict]:
-    """`n` distinct format transformations: "Put commas between: red cat sun" -> "red, cat, sun" (2-5 words)."""
+    """`n` distinct format transformations: "Put commas between: rope ink tea" -> "rope, ink, tea" (2-3 nouns)."""
     return _distinct(n, seed, _comma_example)
 
 

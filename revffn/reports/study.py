@@ -58,6 +58,11 @@ class StudyPlan:
     shared_process: bool = False
     jobs: int = 1  # worker processes at once (each with REVFFN_STUDY_THREADS torch threads)
 
+    @property
+    def default_gap_variant(self) -> tuple[str, int]:
+        """The (adapter_init, adapter_warmup_steps) of the protocol's RevFFN runs."""
+        return self.revffn["adapter_init"], self.revffn["adapter_warmup_steps"]
+
 
 QUICK = StudyPlan(tasks=("commas",), seeds=(0,), steps=2, batch=4, warmup_steps=0, logging_steps=1,
                   eval_limit=4, retention_limit=8, max_new_tokens={"commas": 4},
@@ -120,6 +125,12 @@ def _run_group(group: list[dict], out: Path, shared_process: bool, log) -> list[
     return results
 
 
+def protocol_runs(runs: list[dict], method: str, task: str, lr: float | None = None) -> list[dict]:
+    """The successful protocol runs (LR grid and seeds, not the gap-only variants) of a method and task."""
+    return [r for r in runs if r["status"] == "ok" and r["job"]["method"] == method and r["job"]["task"] == task
+            and not r["job"].get("gap_only") and (lr is None or r["job"]["lr"] == lr)]
+
+
 def select_lr(rows: list[dict]) -> float:
     """The grid LR with the best val exact match (ties: lower val loss). Never looks at test."""
     ok = [r for r in rows if r["status"] == "ok"]
@@ -138,8 +149,7 @@ def summarize(plan: StudyPlan, runs: list[dict], chosen: dict, base_loss: float 
     rows = []
     for task in plan.tasks:
         for method in plan.methods:
-            mine = [r for r in runs if r["status"] == "ok" and r["job"]["method"] == method and r["job"]["task"] == task
-                    and r["job"]["lr"] == chosen[f"{method}/{task}"] and not r["job"].get("gap_only")]
+            mine = protocol_runs(runs, method, task, chosen[f"{method}/{task}"])
             ret = [r["retention_loss"] for r in mine]
             rows.append({
                 "method": method, "task": task, "lr": chosen[f"{method}/{task}"],
@@ -149,10 +159,8 @@ def summarize(plan: StudyPlan, runs: list[dict], chosen: dict, base_loss: float 
                 "retention_change": _spread([x - base_loss for x in ret]) if base_loss is not None else None,
                 "peak_mem_bytes": _spread([r["peak_mem_bytes"] for r in mine]),
                 "tokens_per_s": _spread([r["tokens_per_s"] for r in mine]),
-                "val_exact_match_by_lr": {str(r["job"]["lr"]): r["val_exact_match"] for r in runs
-                                          if r["status"] == "ok" and r["job"]["method"] == method
-                                          and r["job"]["task"] == task and "val_exact_match" in r
-                                          and not r["job"].get("gap_only")},
+                "val_exact_match_by_lr": {str(r["job"]["lr"]): r["val_exact_match"]
+                                          for r in protocol_runs(runs, method, task) if "val_exact_match" in r},
             })
     return rows
 
@@ -165,7 +173,7 @@ def gap_plan(plan: StudyPlan, out: Path, grid: list[dict], chosen: dict) -> tupl
     if "revffn" not in plan.methods:
         return [], {}
     task0, lr0 = plan.tasks[0], chosen[f"revffn/{plan.tasks[0]}"]
-    default = (plan.revffn["adapter_init"], plan.revffn["adapter_warmup_steps"])
+    default = plan.default_gap_variant
     names = {default: next(j["name"] for j in grid if j["method"] == "revffn" and j["task"] == task0
                            and j["lr"] == lr0)}
     jobs = []
@@ -203,7 +211,6 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
     runs += run_jobs(more + gap_jobs, out, plan.shared_process, log, plan.jobs)
     base_loss = next((r["base_retention_loss"] for r in runs if r.get("base_retention_loss") is not None), None)
     by_name = {r["name"]: r for r in runs if r["status"] == "ok"}
-    default = (plan.revffn["adapter_init"], plan.revffn["adapter_warmup_steps"])
     gap = []
     for init, warm in plan.gap_variants:
         r = by_name.get(gap_names.get((init, warm)))
@@ -212,7 +219,7 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
                         "lr": r["job"]["lr"], "base": base_loss,
                         "converted_init": r["converted_retention_loss"], "after_stage1": r["stage1_retention_loss"],
                         "after_schedule": r["retention_loss"], "test_exact_match": r["test_exact_match"],
-                        "default": (init, warm) == default})
+                        "default": (init, warm) == plan.default_gap_variant})
     return {
         "schema": "revffn.study/1",
         "command": " ".join(["revffn", *argv]) if argv is not None else None,

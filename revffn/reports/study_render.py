@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+from revffn.reports.study import protocol_runs
+
 PLOTS = ("study_accuracy.png", "study_loss.png", "study_gap.png")
 
 
@@ -158,9 +160,7 @@ def plot_loss(data: dict, path: Path) -> None:
     for ax, task in zip(axes[0], tasks):
         for m in data["plan"]["methods"]:
             lr = data["chosen_lr"][f"{m}/{task}"]
-            run = next((r for r in data["runs"] if r["status"] == "ok" and r["job"]["method"] == m
-                        and r["job"]["task"] == task and r["job"]["seed"] == seed0 and r["job"]["lr"] == lr
-                        and not r["job"].get("gap_only")), None)
+            run = next((r for r in protocol_runs(data["runs"], m, task, lr) if r["job"]["seed"] == seed0), None)
             if run:
                 ax.plot([p[0] for p in run["curve"]], [p[1] for p in run["curve"]], label=f"{m} (lr {lr:g})")
         ax.set_title(f"{task}: training loss (seed {seed0})")
