@@ -31,9 +31,8 @@ def _positive(s: str) -> int:
 
 
 def cmd_check(args) -> int:
-    from revffn.check import format_report, run_check
-    from revffn.models.loading import parse_dtype
-    from revffn.reports.bench_model import model_kind
+    from revffn.models.loading import model_kind, parse_dtype
+    from revffn.reports.check import format_report, run_check
 
     model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
     parse_dtype(args.dtype, "--dtype")
@@ -50,7 +49,7 @@ def cmd_check(args) -> int:
 
 def cmd_bench(args) -> int:
     from revffn.reports.bench import BenchSpec, parse_sweep, resolve, run_bench, run_sweep
-    from revffn.reports.render import render_dir, write_bench, write_sweep
+    from revffn.reports.render.bench import render_dir, write_bench, write_sweep
 
     if args.render:
         written = render_dir(args.render)
@@ -76,8 +75,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_study(args) -> int:
+    from revffn.reports.render.study import write_study
     from revffn.reports.study import plan_for, run_study
-    from revffn.reports.study_render import write_study
 
     out = Path(args.out)
     docs = Path(args.docs) if args.docs else None
@@ -102,15 +101,15 @@ def cmd_study(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from revffn.memory.estimate import estimate, format_estimate, load_config, parse_size
-    from revffn.reports.bench_model import config_overrides, model_kind
+    from revffn.memory.estimate import estimate, format_estimate, parse_size
+    from revffn.models.loading import config_overrides, hf_config, model_kind
     from revffn.training.config import parse_overrides
 
     if args.gpu_mem is not None:
         parse_size(args.gpu_mem)
     model_kind(args.model, "--model")
     options = parse_overrides(args.option)
-    config = load_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
+    config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
     est = estimate(config, args.method, args.batch, args.seq, args.dtype, **options)
     if args.json:
         if args.gpu_mem is not None:
@@ -152,9 +151,8 @@ def cmd_validate(args) -> int:
 def _load_for_cli(model_dir: str, seed: int = 0):
     """A final/ directory, any HF directory, builtin:base, or a tiny preset (random init, shipped tokenizer)."""
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.inference import load
     from revffn.models.causal_lm import CausalLM
-    from revffn.models.loading import check_model_ref, load_hf, resolve_model_ref
+    from revffn.models.loading import check_model_ref, load, load_hf, resolve_model_ref
     from revffn.models.presets import TINY_PRESETS
 
     check_model_ref(model_dir, "MODEL_DIR")
@@ -166,17 +164,18 @@ def _load_for_cli(model_dir: str, seed: int = 0):
 
 
 def cmd_generate(args) -> int:
-    from revffn.inference import generate
+    from revffn.data.templates import chat_prompts
+    from revffn.models.generation import generate_texts
 
     model, tok = _load_for_cli(args.model_dir)
-    for text in generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens):
+    for text in generate_texts(model, tok, chat_prompts(args.prompt, tok), max_new_tokens=args.max_new_tokens):
         print(text)
     return 0
 
 
 def cmd_eval(args) -> int:
     from revffn.data.formats import load_examples
-    from revffn.evaluate import evaluate
+    from revffn.training.evaluate import evaluate
 
     model, tok = _load_for_cli(args.model_dir)
     examples = load_examples(args.data, "--data")

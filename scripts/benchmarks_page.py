@@ -3,7 +3,7 @@
     python scripts/benchmarks_page.py [BENCH_DIR] [PAGE]
 
 The page opens with the commands that regenerate it, checks the issue's targets against the
-measured numbers, and embeds the rendered tables and plots (`revffn.reports.render`).
+measured numbers, and embeds the rendered tables and plots (`revffn.reports.render.bench`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from revffn.reports.render import bench_markdown, render_dir, sweep_markdown
+from revffn.reports.render.bench import bench_markdown, render_dir, sweep_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = "--model tiny-qwen2-moe --methods full,ckpt,revffn,lora,dora,hift,refta --hidden 256 --batch 4 --seq 512"
@@ -66,7 +66,7 @@ def page(bench: dict, sweep: dict | None) -> str:
              f"commit {(info.get('git_commit') or 'unknown')[:12]}"
              + (" plus uncommitted changes" if info.get("git_dirty") else "") + f", {info.get('started', '')} "
              f"(load average {info.get('loadavg_start')} at the start, {meta.get('loadavg_end')} at the end).",
-             "Each method runs in a fresh process (`revffn.reports.bench_worker`), built and stepped as `revffn "
+             "Each method runs in a fresh process (`revffn.reports.workers.bench`), built and stepped as `revffn "
              "train` does (revffn in stage 2, hift cycling its groups); one warm-up step, then the timed steps.",
              "", "## Targets", "", "| target | goal | reached | met |", "|---|---|---:|---|"]
     for what, goal, value, met in targets(bench, sweep):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from corpus import python_doc_corpus
+from tasks import format_task, mini_gsm, quickstart
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from revffn.data.corpus import python_doc_corpus
-from revffn.data.tasks import format_task, mini_gsm, quickstart
 from revffn.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SHIPPED_TOKENIZER, SPECIAL_TOKENS
 
 VOCAB_SIZE = 2048

@@ -13,7 +13,7 @@ from revffn import convert
 from revffn.data.collate import collate, tokenize_dataset
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import load_tokenizer
-from revffn.inference import load
+from revffn.models.loading import load
 
 
 def main(model_dir: str, data: str) -> None:

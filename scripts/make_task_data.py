@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from revffn.data.tasks import write_builtin
+from tasks import write_builtin
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "revffn" / "assets" / "data"
 

@@ -2,7 +2,7 @@
 
     python scripts/pretrain_base.py            # ~25-35 min on 2 CPU cores; rewrites revffn/assets/base/
 
-Corpus (built here, nothing downloaded; see `revffn.data.corpus.pretraining_corpus`): the
+Corpus (built here, nothing downloaded; see `corpus.pretraining_corpus`): the
 docstrings of the Python standard library and the reference-manual help topics that ship with
 the interpreter, in ~600-character pieces, plus paragraphs about a small fictional world (fixed
 facts in varied sentences). Every 40th Python-docs piece and a separately seeded set of world
@@ -31,7 +31,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from revffn.data.corpus import pretraining_corpus  # noqa: E402
+from corpus import pretraining_corpus  # noqa: E402
+
 from revffn.data.formats import BUILTIN_DIR  # noqa: E402
 from revffn.models.loading import SHIPPED_MODELS  # noqa: E402
 
@@ -113,10 +114,10 @@ def main() -> None:
         return
 
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.evaluate import retention_loss
-    from revffn.inference import load
     from revffn.models.convert import convert
+    from revffn.models.loading import load
     from revffn.training.config import load_config
+    from revffn.training.evaluate import retention_loss
     from revffn.training.loop import run
 
     t0 = time.time()

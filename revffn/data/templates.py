@@ -80,13 +80,6 @@ def render_segments(example: dict, tokenizer) -> list[tuple[str, bool]]:
     return segments
 
 
-def prompt_messages(example: dict) -> list[dict]:
-    """The messages before the example's last assistant turn: the prompt whose reference reply is `answer`."""
-    messages = example["messages"]
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:last]
-
-
 def render_prompt(messages: list[dict], tokenizer) -> str:
     """Prompt text for generation: all `messages` followed by the assistant generation prompt."""
     for i, m in enumerate(messages):
@@ -96,3 +89,9 @@ def render_prompt(messages: list[dict], tokenizer) -> str:
         return _render(tokenizer, messages, True)
     eos = tokenizer.eos_token or ""
     return "".join("".join(_fallback_turn(m, eos)) for m in messages) + FALLBACK_TEMPLATE["assistant"]
+
+
+def chat_prompts(prompts: list[str], tokenizer, system: str | None = None) -> list[str]:
+    """User `prompts` rendered as single-turn chats, ready for generation."""
+    head = [{"role": "system", "content": system}] if system else []
+    return [render_prompt([*head, {"role": "user", "content": p}], tokenizer) for p in prompts]

@@ -21,20 +21,14 @@ Checked against what `revffn bench` measures, for every method on the tiny prese
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
-
-import transformers
 
 from revffn.errors import UserError, closest
 from revffn.memory.saved import Grad, aux_saved, hift_saved, layer_saved, outside_saved
-from revffn.models.presets import TINY_PRESETS, tiny_config
 from revffn.reversible.replay import compact_index_dtype
 
-PRESET_DIR = Path(__file__).parent / "presets"
 METHODS = ("full", "ckpt", "revffn", "lora", "dora", "hift", "refta")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -45,29 +39,6 @@ _METHOD_OPTS = {
     "full": set(), "ckpt": set(), "hift": {"group_size"}, "refta": {"rank"},
     "revffn": {"freeze_router", "stage", "stream_dtype"}, "lora": {"rank"}, "dora": {"rank"},
 }
-
-
-def config_presets() -> list[str]:
-    """Names of the config-only presets (full-size public configs, no weights)."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def load_config(model: str, **overrides) -> transformers.PretrainedConfig:
-    """An HF config from a tiny preset, a config-only preset, or a local directory with config.json."""
-    if model in TINY_PRESETS:
-        config = tiny_config(model, **overrides)
-    elif model in config_presets():
-        fields = {k: v for k, v in json.loads((PRESET_DIR / f"{model}.json").read_text()).items()
-                  if not k.startswith("_")}
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
-    elif (Path(model) / "config.json").is_file():
-        config = transformers.AutoConfig.from_pretrained(model, local_files_only=True, **overrides)
-    else:
-        names = [*TINY_PRESETS, *config_presets()]
-        raise UserError(f"unknown model {model!r}.{closest(model, names)} Available presets: {', '.join(names)}; "
-                        f"or give a local directory with a config.json.")
-    config.name_or_path = model
-    return config
 
 
 @dataclass(frozen=True)

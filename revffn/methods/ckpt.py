@@ -10,15 +10,18 @@ gradients and AdamW states stay those of full fine-tuning.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
-from revffn.methods.full import FullMethod
+from revffn.methods.base import Method, export_hf, non_router_parameters, set_requires_grad
 from revffn.models.causal_lm import CausalLM
+from revffn.schema import Key
 
 
-class CkptMethod(FullMethod):
+class CkptMethod(Method):
     name = "ckpt"
-    SCHEMA = dict(FullMethod.SCHEMA)  # freeze_router
+    SCHEMA = {"freeze_router": Key(bool, False, "keep the MoE routers frozen")}
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         # transformers >= 5.2x renamed gradient_checkpointing_enable (now a deprecated alias, same effect)
@@ -29,6 +32,13 @@ class CkptMethod(FullMethod):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return CausalLM(hf_model, self.cfg.router_aux_loss_coef)
 
+    def optimizer_parameters(self, model) -> list[nn.Parameter]:
+        return non_router_parameters(model, self.opts["freeze_router"])
+
     def set_trainable(self, model, step: int, optimizer=None) -> str:
-        super().set_trainable(model, step, optimizer)
-        return "ckpt"
+        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
+        return self.name
+
+    def export(self, model, out_dir: Path) -> None:
+        """A plain HF `save_pretrained` directory (safetensors), loadable by HF and `revffn.load`."""
+        export_hf(model, out_dir, method=self.name)

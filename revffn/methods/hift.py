@@ -38,16 +38,16 @@ import torch
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.methods.base import set_requires_grad, write_manifest
+from revffn.methods.base import Method, export_hf, set_requires_grad
 from revffn.models.causal_lm import CausalLM
 from revffn.models.spec import get_path
-from revffn.training.config import Key
+from revffn.schema import Key
 
 STRATEGIES = {"bottom2up": "bottom2up", "down2up": "bottom2up", "top2down": "top2down", "up2down": "top2down",
               "random": "random"}
 
 
-class HiFTMethod:
+class HiFTMethod(Method):
     name = "hift"
     SCHEMA = {
         "strategy": Key(str, "bottom2up", "group visiting order (down2up/up2down are aliases)",
@@ -57,16 +57,12 @@ class HiFTMethod:
     }
 
     def __init__(self, cfg):
-        self.cfg, self.opts = cfg, cfg.section(self.name)
+        super().__init__(cfg)
         self.strategy = STRATEGIES[self.opts["strategy"]]
         self.groups: list[list[nn.Parameter]] = []
         self.group_names: list[str] = []
         self.order: list[int] = []
         self.position = 0  # queue position of the next step
-
-    @classmethod
-    def validate(cls, cfg) -> None:
-        pass
 
     # -- groups ------------------------------------------------------------------------------------
     def _units(self, model: CausalLM) -> list[tuple[str, list[nn.Parameter]]]:
@@ -175,6 +171,5 @@ class HiFTMethod:
 
     def export(self, model, out_dir: Path) -> None:
         """A plain HF `save_pretrained` directory, loadable by HF and `revffn.load`."""
-        model.hf.save_pretrained(out_dir)
-        write_manifest(out_dir, format="hf", method=self.name, strategy=self.strategy,
-                       group_size=self.opts["group_size"], num_groups=self.num_groups)
+        export_hf(model, out_dir, method=self.name, strategy=self.strategy, group_size=self.opts["group_size"],
+                  num_groups=self.num_groups)

@@ -31,10 +31,10 @@ from pathlib import Path
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.methods.base import set_requires_grad, write_manifest
+from revffn.methods.base import Method, set_requires_grad, write_manifest
+from revffn.models.architectures import spec_for
 from revffn.models.causal_lm import CausalLM
-from revffn.models.spec import spec_for
-from revffn.training.config import Key
+from revffn.schema import Key
 
 # Linear modules (suffixes of module names): attention and shared-expert / dense-MLP projections.
 DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -135,15 +135,14 @@ def v4_rewrites(config, hf: nn.Module) -> set[str]:
     return set(config.target_modules or []) - set(probe.target_modules or [])
 
 
-class PeftMethod:
-    """LoRA-family method; subclasses set `name`, `SCHEMA` and `use_dora`."""
+class PeftMethod(Method):
+    """The LoRA family's shared base (not registered itself): `lora` and `dora` set `name`, `SCHEMA`
+    and `use_dora`; neither subclasses the other."""
 
-    name = "peft"
-    SCHEMA: dict = {}
     use_dora = False
 
     def __init__(self, cfg):
-        self.cfg, self.opts = cfg, cfg.section(self.name)
+        super().__init__(cfg)
         self.peft_model = None
         self.targets: tuple[list[str], list[str]] = ([], [])
         self.not_covered: list[str] = []

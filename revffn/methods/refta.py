@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.methods.base import set_requires_grad, write_manifest
+from revffn.methods.base import Method, set_requires_grad, write_manifest
 from revffn.models.causal_lm import CausalLM
-from revffn.training.config import Key
+from revffn.schema import Key
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -72,16 +72,13 @@ class ReFTALinear(nn.Module):
         return f"r={self.r}, scale={self.scale:g}, shared A={self.key}"
 
 
-class ReFTAMethod:
+class ReFTAMethod(Method):
     name = "refta"
     SCHEMA = {
         "r": Key(int, 16, "rank of the shared input factor and the cores (capacity vs adapter memory)", min=1),
         "alpha": Key(float, 32.0, "update scale numerator: ΔW = (alpha / r) B G A", min=0, min_exclusive=True),
         "target_modules": Key((list, type(None)), None, "Linear module name suffixes (null: q/k/v/o_proj)"),
     }
-
-    def __init__(self, cfg):
-        self.cfg, self.opts = cfg, cfg.section(self.name)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -1,4 +1,4 @@
-"""`revffn`: full fine-tuning through reversible blocks, in two stages (seed 000).
+"""`revffn`: full fine-tuning through reversible blocks, in two stages.
 
 Stage 1 (`adapter_warmup_steps`): only the projection adapters P_up/P_down train; the pretrained
 backbone is frozen so the new parts first learn to speak its language. Stage 2: everything trains
@@ -19,12 +19,12 @@ from safetensors.torch import save_model
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.methods.base import set_requires_grad, write_manifest
+from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.convert import ADAPTER_INITS, convert
-from revffn.training.config import Key
+from revffn.schema import Key
 
 
-class RevFFNMethod:
+class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
         "adapter_warmup_steps": Key(int, 10, "stage 1: steps that train only the projection adapters", min=0),
@@ -33,9 +33,6 @@ class RevFFNMethod:
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "coordinate", "projection adapter init", choices=ADAPTER_INITS),
     }
-
-    def __init__(self, cfg):
-        self.cfg, self.opts = cfg, cfg.section(self.name)
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -50,8 +47,7 @@ class RevFFNMethod:
                        aux_loss_coef=self.cfg.router_aux_loss_coef)
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
-        routers = {id(p) for r in model.routers() for p in r.parameters()} if self.opts["freeze_router"] else set()
-        return [p for p in model.parameters() if id(p) not in routers]
+        return non_router_parameters(model, self.opts["freeze_router"])
 
     def stage(self, step: int) -> str:
         return "warmup" if step < self.opts["adapter_warmup_steps"] else "joint"

@@ -1,5 +1,5 @@
-"""HF architectures (one spec file each), tiny presets, and the RevFFN converter."""
+"""HF architectures (`architectures`, one spec file each), references and loading (`loading`),
+the RevFFN converter (`convert`), the baselines' wrapper (`causal_lm`), losses and generation.
 
-from revffn.models import mixtral, olmoe, qwen2_moe, qwen3_moe
-
-ARCHITECTURES = {m.SPEC.model_type: m.SPEC for m in (qwen2_moe, qwen3_moe, mixtral, olmoe)}
+Submodules are not imported here, so the package has no import-time side effects.
+"""

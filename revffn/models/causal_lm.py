@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from revffn.models.architectures import spec_for
 from revffn.models.convert import RevFFNOutput
-from revffn.models.loss import causal_lm_loss
-from revffn.models.spec import get_path, spec_for
-from revffn.reversible.coupling import SwitchAux
+from revffn.models.loss import SwitchAux, causal_lm_loss
+from revffn.models.spec import get_path
 from revffn.reversible.replay import RouterTap
 
 

@@ -26,9 +26,10 @@ from torch import nn
 from transformers import masking_utils
 
 from revffn.errors import UserError
-from revffn.models.loss import causal_lm_loss
-from revffn.models.spec import ArchSpec, get_path, spec_for
-from revffn.reversible.coupling import RevBlock, StackContext, SwitchAux, run_stack
+from revffn.models.architectures import spec_for
+from revffn.models.loss import SwitchAux, causal_lm_loss
+from revffn.models.spec import ArchSpec, get_path
+from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("coordinate", "zero", "random")

@@ -1,19 +1,31 @@
-"""Load an HF model from a tiny preset name or a local directory. Never downloads."""
+"""Model references and loading: one place that knows what a `model` string may name.
+
+A reference is one of (`model_kind`):
+
+- ``tiny``: a tiny preset (`tiny-qwen2-moe`, ...): a real HF config class, random init;
+- ``config``: a config-only geometry (`qwen1.5-moe-a2.7b`, ... in `models/geometries/`): a public
+  model's config without weights (estimate, bench and check build it with random init);
+- ``shipped``: a model shipped in the package (`builtin:base`);
+- ``dir``: a local HF `save_pretrained` directory with config.json (a run's `final/` included).
+
+Nothing is downloaded.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import torch
 
 from revffn.errors import UserError, closest
-from revffn.models.presets import TINY_PRESETS, tiny_model
+from revffn.models.presets import TINY_PRESETS, tiny_config, tiny_model
 
-# Models shipped inside the package, usable wherever a model directory is accepted.
 SHIPPED_MODELS = {"builtin:base": Path(__file__).resolve().parent.parent / "assets" / "base"}
-
+GEOMETRY_DIR = Path(__file__).resolve().parent / "geometries"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+SHIPPED_VOCAB = 2048  # len(load_tokenizer(None)); asserted in tests
 
 
 def parse_dtype(name: str, key: str = "dtype") -> torch.dtype:
@@ -23,41 +35,155 @@ def parse_dtype(name: str, key: str = "dtype") -> torch.dtype:
     return DTYPES[name]
 
 
+def config_presets() -> list[str]:
+    """Names of the config-only geometries (full-size public configs, no weights)."""
+    return sorted(p.stem for p in GEOMETRY_DIR.glob("*.json"))
+
+
 def resolve_model_ref(model: str) -> str:
     """`builtin:base` -> the shipped base model's directory; any other reference unchanged."""
     return str(SHIPPED_MODELS[model]) if model in SHIPPED_MODELS else model
 
 
-def check_model_ref(model: str, key: str = "model") -> None:
-    """Raise a UserError unless `model` is a preset, a shipped model or a local HF directory with config.json."""
-    if model in TINY_PRESETS:
-        return
-    if model.startswith("builtin:") and model not in SHIPPED_MODELS:
-        raise UserError(f"{key}: unknown shipped model {model!r}. Fix: use {', '.join(SHIPPED_MODELS)}, a preset "
-                        f"({', '.join(TINY_PRESETS)}) or a local HF model directory.")
-    model = resolve_model_ref(model)
+def model_kind(model: str, key: str = "model", allow: tuple[str, ...] = ("tiny", "config", "shipped", "dir")) -> str:
+    """'tiny', 'config', 'shipped' or 'dir' (see the module docstring).
+
+    Raises:
+        UserError: naming `key`, when `model` is none of the kinds in `allow`.
+    """
+    kinds = {"tiny": list(TINY_PRESETS), "config": config_presets(), "shipped": list(SHIPPED_MODELS)}
+    names = [n for kind in allow if kind != "dir" for n in kinds[kind]]
+    for kind in ("tiny", "config", "shipped"):
+        if model in kinds[kind] and kind in allow:
+            return kind
     path = Path(model).expanduser()
-    if path.is_dir():
+    if "dir" in allow and path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{key}: {model!r} has no config.json. Fix: point {key} at a directory written by "
                             "save_pretrained (it holds config.json and *.safetensors).")
-        return
-    if model.startswith("tiny-") or "/" not in model:
-        raise UserError(f"{key}: unknown model preset {model!r}.{closest(model, TINY_PRESETS)} "
-                        f"Presets: {', '.join(TINY_PRESETS)}; or give a local HF model directory.")
-    raise UserError(f"{key}: {model!r} is not a local directory. revffn never downloads: "
-                    f"Fix: download the model yourself and give its local path, or use a preset "
-                    f"({', '.join(TINY_PRESETS)}).")
+        return "dir"
+    where = " or a local HF model directory" if "dir" in allow else ""
+    if model.startswith("builtin:"):
+        others = ", ".join(n for n in names if n not in SHIPPED_MODELS)
+        raise UserError(f"{key}: unknown shipped model {model!r}.{closest(model, SHIPPED_MODELS)} Fix: use "
+                        f"{', '.join(SHIPPED_MODELS)}, or one of {others}{where}.")
+    hint = closest(model, names)
+    if "/" in model and not model.startswith((".", "/", "~")) and "dir" in allow:
+        raise UserError(f"{key}: {model!r} is not a local directory. revffn never downloads. Fix: download the "
+                        f"model yourself and give its local path, or use one of {', '.join(names)}.")
+    raise UserError(f"{key}: unknown model {model!r}.{hint} Fix: use one of {', '.join(names)}{where}.")
+
+
+def check_model_ref(model: str, key: str = "model") -> None:
+    """Raise a UserError unless `model` is a model that can be trained (tiny preset, shipped model or
+    local directory; a config-only geometry has no weights)."""
+    model_kind(model, key, allow=("tiny", "shipped", "dir"))
+
+
+def hf_config(model: str, **overrides):
+    """The HF config of any reference (never weights)."""
+    import transformers
+
+    kind = model_kind(model)
+    if kind == "tiny":
+        config = tiny_config(model, **overrides)
+    elif kind == "config":
+        fields = {k: v for k, v in json.loads((GEOMETRY_DIR / f"{model}.json").read_text()).items()
+                  if not k.startswith("_")}
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
+    else:
+        config = transformers.AutoConfig.from_pretrained(resolve_model_ref(model), local_files_only=True,
+                                                         **overrides)
+    config.name_or_path = model
+    return config
+
+
+def config_overrides(model: str, layers: int | None = None, hidden: int | None = None,
+                     shipped_vocab: bool = True) -> dict:
+    """HF config overrides for `--layers` / `--hidden`: the other widths (intermediate sizes) keep their
+    ratio to the hidden size (multiples of 8), as `tiny_config` does; a tiny preset gets the shipped
+    tokenizer's vocabulary, as training builds it (unless `shipped_vocab` is off)."""
+    kind = model_kind(model)
+    out: dict = {"vocab_size": SHIPPED_VOCAB} if kind == "tiny" and shipped_vocab else {}
+    if layers is not None:
+        out["num_hidden_layers"] = int(layers)
+    if hidden is not None:
+        out["hidden_size"] = int(hidden)
+        if kind != "tiny":  # tiny_config scales its own widths
+            base = hf_config(model)
+            scale = hidden / base.hidden_size
+            for k in WIDTH_KEYS:
+                v = getattr(base, k, None)
+                if isinstance(v, int) and v > 0:
+                    out[k] = max(8, round(v * scale / 8) * 8)  # multiples of 8: bf16 grouped_mm strides
+            head_dim = getattr(base, "head_dim", None)
+            if isinstance(head_dim, int) and head_dim * base.num_attention_heads == base.hidden_size:
+                out["head_dim"] = hidden // base.num_attention_heads
+    return out
+
+
+def random_init(model: str, dtype: torch.dtype, seed: int, device: torch.device | None = None, **overrides):
+    """An HF causal LM with random weights from `model`'s config (any reference kind)."""
+    import transformers
+
+    config = hf_config(model, **overrides)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if device is not None and device.type == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        with torch.device(device or "cpu"):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return hf.to(dtype)
 
 
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):
-    """An HF causal LM from a preset name or a local directory (offline only)."""
+    """An HF causal LM from a tiny preset (random init), a shipped model or a local directory (offline)."""
     check_model_ref(model)
     if model in TINY_PRESETS:
         return tiny_model(model, seed=seed, dtype=dtype, **config_overrides)
-    model = resolve_model_ref(model)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model, local_files_only=True, **config_overrides)
-    return AutoModelForCausalLM.from_pretrained(model, config=config, local_files_only=True, dtype=dtype)
+    path = resolve_model_ref(model)
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+
+
+def build_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | None = None,
+             **overrides):
+    """The HF model as training builds it (`load_hf`) for presets, shipped models and directories; random
+    init for config-only geometries (built on `device` directly: they can be large) and for directories
+    whose hidden size is overridden."""
+    kind = model_kind(model)
+    if kind == "config" or (kind in ("dir", "shipped") and "hidden_size" in overrides):
+        return random_init(model, dtype, seed, device, **overrides)
+    return load_hf(model, dtype=dtype, seed=seed, **overrides)
+
+
+def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A model from a run's `final/` (or any save_pretrained) directory, ready for eval and generation.
+
+    `final/revffn.json` says how it was written: `format: hf` (a plain HF directory: full, ckpt, hift,
+    and LoRA/DoRA/ReFTA merged) or `format: revffn` (base HF config + the converted weights). Weights
+    are cast to `dtype` (fp32 by default, whatever the dtype on disk).
+    """
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from revffn.models.causal_lm import CausalLM
+    from revffn.models.convert import convert
+
+    root = Path(resolve_model_ref(str(path)))
+    if not (root / "config.json").is_file():
+        raise UserError(f"{path!r} is not a model directory (no config.json). Fix: point at a run's final/ "
+                        "directory or an HF save_pretrained directory.")
+    manifest = json.loads((root / "revffn.json").read_text()) if (root / "revffn.json").is_file() else {}
+    if manifest.get("format") == "revffn":
+        config = AutoConfig.from_pretrained(root, local_files_only=True)
+        hf = AutoModelForCausalLM.from_config(config)
+        stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
+        model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream)
+        load_model(model, str(root / "model.safetensors"))
+    else:
+        model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,4 +1,5 @@
-"""Causal-LM loss without materialising (tokens x vocab) fp32 logits.
+"""Losses: the causal-LM loss without materialising (tokens x vocab) fp32 logits, and the router
+load-balancing loss (`SwitchAux`).
 
 The head and the cross-entropy run on chunks of `chunk_tokens` rows; each chunk is checkpointed,
 so backward recomputes its logits instead of keeping them. Peak extra memory is one chunk's
@@ -6,6 +7,8 @@ logits, not the whole batch's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,3 +44,61 @@ def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Te
         else:
             total = total + _chunk_loss(hs, head.weight, head.bias, ys)
     return total, n_tokens
+
+
+@dataclass
+class SwitchAux:
+    """HF's `load_balancing_loss_func` (Switch Transformer), accumulated one layer at a time.
+
+    aux = E * sum_e (T_e / R) * (P_e / R), with T_e the top-k assignments to expert e and P_e the
+    summed router probabilities, both over all MoE layers and (unpadded) tokens, R the row count.
+    T is not differentiable, so d aux / d probs_l[t, e] = E * T_e / R**2 * mask_t for every layer
+    l: the reversible backward can apply it layer by layer (`surrogate`).
+    """
+
+    num_experts: int
+    top_k: int
+    row_mask: torch.Tensor | None = None  # (N,) float, 1 for real tokens
+    tokens: torch.Tensor | None = field(default=None, repr=False)
+    probs: torch.Tensor | None = field(default=None, repr=False)
+    rows: torch.Tensor | float = 0.0
+    differentiable: bool = True  # False: the router is frozen, the loss is only logged
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float(), dim=-1)
+
+    def add(self, logits: torch.Tensor) -> None:
+        probs = self._probs(logits)
+        with torch.no_grad():
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
+            weights = None if self.row_mask is None else self.row_mask.repeat_interleave(self.top_k)
+            counts = torch.zeros(self.num_experts, device=probs.device).index_add_(
+                0, chosen, torch.ones_like(chosen, dtype=torch.float) if weights is None else weights
+            )
+        mass = probs if self.row_mask is None else probs * self.row_mask[:, None]
+        mass = mass.sum(0)
+        n = probs.shape[0] if self.row_mask is None else self.row_mask.sum()
+        self.tokens = counts if self.tokens is None else self.tokens + counts
+        self.probs = mass if self.probs is None else self.probs + mass
+        self.rows = self.rows + n
+
+    def tensors(self) -> list:
+        rows = self.rows if isinstance(self.rows, torch.Tensor) else torch.tensor(float(self.rows))
+        return [self.tokens, rows, self.row_mask]
+
+    def with_tensors(self, tensors: list) -> SwitchAux:
+        tokens, rows, row_mask = tensors
+        return SwitchAux(self.num_experts, self.top_k, row_mask, tokens, None, rows, self.differentiable)
+
+    def value(self) -> torch.Tensor:
+        if self.tokens is None:
+            return torch.zeros(())
+        return self.num_experts * torch.sum(self.tokens / self.rows * (self.probs / self.rows))
+
+    def surrogate(self, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A scalar whose gradient w.r.t. `logits` equals grad * d aux / d logits for this layer."""
+        weight = (grad * self.num_experts * self.tokens / self.rows**2).detach()  # (E,)
+        probs = self._probs(logits)
+        if self.row_mask is not None:
+            probs = probs * self.row_mask[:, None]
+        return (probs * weight).sum()

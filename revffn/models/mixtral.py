@@ -4,12 +4,10 @@ Quirk: `router_jitter_noise > 0` multiplies the router input by uniform noise in
 RNG must be replayed in the backward recomputation; the spec lists it among the RNG keys.
 """
 
-from revffn.models.spec import ArchSpec, register
+from revffn.models.spec import ArchSpec
 
-SPEC = register(
-    ArchSpec(
-        model_type="mixtral",
-        sliding_window_all_layers=True,
-        rng_config_keys=("attention_dropout", "router_jitter_noise"),
-    )
+SPEC = ArchSpec(
+    model_type="mixtral",
+    sliding_window_all_layers=True,
+    rng_config_keys=("attention_dropout", "router_jitter_noise"),
 )

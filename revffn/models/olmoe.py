@@ -1,5 +1,5 @@
 """OLMoE: softmax top-k router, q/k RMSNorm inside attention, no shared expert, full attention."""
 
-from revffn.models.spec import ArchSpec, register
+from revffn.models.spec import ArchSpec
 
-SPEC = register(ArchSpec(model_type="olmoe"))
+SPEC = ArchSpec(model_type="olmoe")

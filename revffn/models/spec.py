@@ -1,17 +1,14 @@
-"""Architecture knowledge as data: one `ArchSpec` per HF `model_type`.
+"""`ArchSpec`: where the pieces of one HF MoE architecture live (data, not code).
 
-Each supported architecture has a small file in this package that registers its spec. Any other
-HF causal LM whose decoder layers have the standard `input_layernorm / self_attn /
-post_attention_layernorm / mlp` layout converts through `generic_spec`.
+The per-architecture specs live one file each (`qwen2_moe.py`, ...) and are collected, with the
+generic fallback, in `revffn.models.architectures`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
-
-from revffn.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -49,21 +46,13 @@ class ArchSpec:
         return 0
 
 
-SPECS: dict[str, ArchSpec] = {}
-
-
-def register(spec: ArchSpec) -> ArchSpec:
-    SPECS[spec.model_type] = spec
-    return spec
-
-
 def get_path(root, path: str):
     for part in path.split("."):
         root = getattr(root, part)
     return root
 
 
-def _has_standard_layout(hf_model, spec: ArchSpec) -> bool:
+def has_standard_layout(hf_model, spec: ArchSpec) -> bool:
     try:
         layers = get_path(hf_model, spec.layers)
     except AttributeError:
@@ -72,29 +61,3 @@ def _has_standard_layout(hf_model, spec: ArchSpec) -> bool:
         return False
     names = (spec.attn_norm, spec.attn, spec.mlp_norm, spec.mlp)
     return all(isinstance(getattr(layer, n, None), nn.Module) for layer in layers for n in names)
-
-
-def spec_for(hf_model) -> ArchSpec:
-    """The spec for `hf_model`: its registered one, else the generic one, else a clear error."""
-    from revffn.models import ARCHITECTURES  # noqa: F401  (registers the spec files)
-
-    model_type = getattr(hf_model.config, "model_type", "?")
-    if model_type in SPECS:
-        return SPECS[model_type]
-    generic = ArchSpec(
-        model_type=model_type,
-        aux_loss=hasattr(hf_model.config, "router_aux_loss_coef"),
-        notes="generic spec: standard input_layernorm/self_attn/post_attention_layernorm/mlp layout",
-    )
-    if _has_standard_layout(hf_model, generic):
-        return generic
-    raise UserError(
-        f"cannot convert model_type={model_type!r}: its decoder layers do not have the standard "
-        f"input_layernorm / self_attn / post_attention_layernorm / mlp layout. Supported model_types: "
-        f"{', '.join(sorted(SPECS))} (and any HF causal LM with that standard layout). "
-        f"Fix: use one of these architectures, or add a spec file under revffn/models/."
-    )
-
-
-def with_overrides(spec: ArchSpec, **kw) -> ArchSpec:
-    return replace(spec, **kw)

@@ -4,12 +4,12 @@
         --batch 4 --seq 512 --steps 3 --out runs/bench
     revffn bench ... --sweep layers=4,8,16,32 --out runs/bench
 
-Each method runs in `revffn.reports.bench_worker` (its own process, so its peak memory is its own)
+Each method runs in `revffn.reports.workers.bench` (its own process, so its peak memory is its own)
 and returns one row: peak memory, bytes saved for backward, grads, optimizer states, tokens/s and a
 status (`ok`, `oom`, `error`: a failed method stays in the table). Every row also carries the
 analytic estimate (`revffn.memory.estimate`) of the same configuration. Outputs: `bench.json`
 (`run_info`, `meta_info`, `results`) rendered to `bench.md` / `bench.png`; a sweep writes
-`sweep.json` / `sweep.md` / `sweep.png` (`revffn.reports.render`).
+`sweep.json` / `sweep.md` / `sweep.png` (`revffn.reports.render.bench`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from revffn.errors import UserError, closest
 
-WORKER_MODULE = "revffn.reports.bench_worker"  # run as `python -m WORKER_MODULE ARGS_JSON`
+WORKER_MODULE = "revffn.reports.workers.bench"  # run as `python -m WORKER_MODULE ARGS_JSON`
 SWEEP_VARS = {"layers": "layers", "seq": "seq", "batch": "batch", "hidden": "hidden"}
 
 
@@ -53,9 +53,9 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     import torch
 
     from revffn.methods import METHODS
-    from revffn.reports.bench_model import model_kind, train_config
+    from revffn.models.loading import model_kind
 
-    model_kind(spec.model)
+    model_kind(spec.model, "--model")
     for m in spec.methods:
         if m not in METHODS:
             raise UserError(f"--methods: unknown method {m!r}.{closest(m, METHODS)} Available: {', '.join(METHODS)}.")
@@ -76,7 +76,7 @@ def resolve(spec: BenchSpec) -> BenchSpec:
 
 
 def worker_args(spec: BenchSpec, method: str) -> dict:
-    from revffn.reports.bench_model import config_overrides
+    from revffn.models.loading import config_overrides
 
     return {"model": spec.model, "method": method, "model_config": config_overrides(spec.model, spec.layers,
                                                                                       spec.hidden),
@@ -86,8 +86,8 @@ def worker_args(spec: BenchSpec, method: str) -> dict:
 
 def estimate_fields(args: dict) -> dict:
     """The analytic estimate of the measured configuration, as `est_*` fields of a result row."""
-    from revffn.memory.estimate import estimate, load_config
-    from revffn.reports.bench_model import train_config
+    from revffn.memory.estimate import estimate
+    from revffn.models.loading import hf_config
 
     try:
         cfg = train_config(args)
@@ -99,7 +99,7 @@ def estimate_fields(args: dict) -> dict:
             opts["rank"] = cfg.section(cfg.method)["r"]
         elif cfg.method == "hift":
             opts["group_size"] = cfg.section("hift")["group_size"]
-        est = estimate(load_config(cfg.model, **cfg.model_config), cfg.method, args["batch"], args["seq"],
+        est = estimate(hf_config(cfg.model, **cfg.model_config), cfg.method, args["batch"], args["seq"],
                        args["dtype"], **opts)
     except Exception as e:  # an estimate that cannot be made is reported, never fatal
         return {"est_error": f"{type(e).__name__}: {e}"}
@@ -244,3 +244,18 @@ def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | No
             _progress(i, n, f"{var}={v} {m}", rows[-1])
     return {"run_info": info, "meta_info": meta_info(spec, rows), "sweep": {"variable": var, "values": values},
             "results": rows}
+
+
+def train_config(args: dict):
+    """The validated `TrainConfig` of one bench measurement: the built-in quickstart plus model,
+    method, dtype, device and seed, `model_config` replaced by the bench's overrides, then the
+    user's `--set key=value` items (dotted keys reach method sections). Raises UserError."""
+    from revffn.training.config import load_config, parse_overrides
+
+    overrides = [f"model={args['model']}", f"method={args['method']}", "max_steps=100000",
+                 f"dtype={args.get('dtype', 'auto')}", f"device={args.get('device', 'auto')}",
+                 f"seed={args.get('seed', 0)}", *args.get("set", [])]
+    cfg = load_config(None, overrides)
+    user = parse_overrides(list(args.get("set", []))).get("model_config", {})
+    cfg.values["model_config"] = {**args.get("model_config", {}), **(user if isinstance(user, dict) else {})}
+    return cfg

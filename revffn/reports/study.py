@@ -13,7 +13,7 @@ same batches (same seed -> same data order). Protocol (`StudyPlan`):
 3. Conversion gap of RevFFN on the retention set, for each (adapter init, warm-up length) variant:
    the base's loss, the converted model at init, after stage 1 (adapters only), after the schedule.
 
-Every run is a fresh process (`revffn.reports.study_worker`) so its peak memory is its own; with
+Every run is a fresh process (`revffn.reports.workers.study`) so its peak memory is its own; with
 `--quick` all runs share one process to fit the time budget, and memory is marked as shared.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from revffn.errors import UserError
 
-WORKER_MODULE = "revffn.reports.study_worker"
+WORKER_MODULE = "revffn.reports.workers.study"
 METHODS = ("full", "revffn", "lora", "dora", "hift", "refta")
 
 

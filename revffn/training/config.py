@@ -8,30 +8,15 @@ and the fix. Nothing is allocated or written before this passes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from revffn.errors import UserError, closest
+from revffn.schema import Key, check_value, coerce
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml"
-
-
-@dataclass(frozen=True)
-class Key:
-    """One config key: its type, default, allowed range or choices, and a one-line meaning."""
-
-    type: type | tuple
-    default: Any
-    help: str
-    min: float | None = None
-    min_exclusive: bool = False
-    max: float | None = None
-    choices: tuple | None = None
-    required: bool = False
 
 
 # Names follow LLaMA-Factory / TRL / HF TrainingArguments where one exists.
@@ -174,45 +159,6 @@ def _merge(base: dict, over: dict) -> dict:
     return merged
 
 
-def coerce(value, key: Key):
-    """Accept what YAML users write: ints for floats, '1e-4' strings for floats."""
-    types = key.type if isinstance(key.type, tuple) else (key.type,)
-    if float in types and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    if float in types and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
-def check_value(name: str, value, key: Key) -> str | None:
-    """A problem description for `value`, or None if it is valid."""
-    types = key.type if isinstance(key.type, tuple) else (key.type,)
-    if isinstance(value, bool) and bool not in types:
-        return f"{name}: expected {_type_names(types)}, got {value!r}."
-    if not isinstance(value, types):
-        return f"{name}: expected {_type_names(types)}, got {value!r} ({type(value).__name__})."
-    if key.choices and value not in key.choices:
-        return f"{name}: {value!r} is not one of {', '.join(map(str, key.choices))}.{closest(str(value), key.choices)}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{name}: must be a finite number, got {value!r}."
-        if key.min is not None and (value < key.min or (key.min_exclusive and value == key.min)):
-            op = ">" if key.min_exclusive else ">="
-            return f"{name}: must be {op} {key.min:g}, got {value!r}."
-        if key.max is not None and value > key.max:
-            return f"{name}: must be <= {key.max:g}, got {value!r}."
-    return None
-
-
-def _type_names(types) -> str:
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null",
-             dict: "a mapping"}
-    return " or ".join(names.get(t, t.__name__) for t in types)
-
-
 def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read, override and validate a training config. `path=None` is the built-in quickstart.
 
@@ -281,7 +227,3 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     if isinstance(method, str) and method in METHODS:
         METHODS[method].validate(cfg)
     return cfg
-
-
-def dump_config(cfg: TrainConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

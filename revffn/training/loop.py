@@ -23,12 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from revffn.errors import UserError
-from revffn.evaluate import eval_loss
 from revffn.memory.measure import peak_memory_bytes
 from revffn.methods import METHODS
-from revffn.methods.base import hook
 from revffn.models.loading import load_hf
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
+from revffn.training.evaluate import eval_loss
 from revffn.training.schedule import lr_at
 from revffn.training.setup import clear_run, model_overrides, prepare_run, saved_config_text
 
@@ -63,7 +62,7 @@ def _decay_groups(params, weight_decay: float) -> list[dict]:
 def train(cfg, restarts: int = 0) -> dict:
     """Run one training job described by a validated config; returns the final summary."""
     from revffn.data.collate import DataOrder, collate
-    from revffn.reports.run_report import write_run_report
+    from revffn.training.report import write_run_report
 
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
     run_dir, device = plan.run_dir, plan.device
@@ -96,13 +95,13 @@ def train(cfg, restarts: int = 0) -> dict:
             state = load_checkpoint(plan.resume_from, model, optimizer)
             step = state["step"]
             order.load_state_dict(state["data_order"])
-            hook(method, "load_state_dict")(state["method_state"])
+            method.load_state_dict(state["method_state"])
             _truncate_metrics(run_dir / "metrics.jsonl", step)
         autocast = (lambda: torch.autocast(device.type, dtype=plan.autocast_dtype)) if plan.autocast_dtype \
             else contextlib.nullcontext
         pad_id = tok.pad_token_id
         accum, bsz = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size
-        sched_len = hook(method, "schedule_length")(cfg.max_steps)
+        sched_len = method.schedule_length(cfg.max_steps)
         nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(device))
         bar = tqdm(total=cfg.max_steps, initial=step, desc=f"{cfg.method}", dynamic_ncols=True,
@@ -114,7 +113,7 @@ def train(cfg, restarts: int = 0) -> dict:
         stage = None
         while step < cfg.max_steps:
             prev_stage, stage = stage, method.set_trainable(model, step, optimizer)
-            lr = lr_at(hook(method, "schedule_position")(step), sched_len, cfg.learning_rate, cfg.warmup_steps,
+            lr = lr_at(method.schedule_position(step), sched_len, cfg.learning_rate, cfg.warmup_steps,
                        cfg.lr_scheduler_type, cfg.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -138,7 +137,7 @@ def train(cfg, restarts: int = 0) -> dict:
             nonfinite |= ~torch.isfinite(loss_log)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            hook(method, "after_step")(step, model, optimizer)
+            method.after_step(step, model, optimizer)
             step += 1
             fault("step", step)
             bar.update(1)
@@ -153,7 +152,7 @@ def train(cfg, restarts: int = 0) -> dict:
                        "tokens_per_s": tokens_since / dt, "peak_mem_bytes": peak_memory_bytes(device)}
                 if out.aux_loss is not None:
                     rec["aux_loss"] = float(out.aux_loss.detach())
-                rec.update(hook(method, "log_metrics")(model, optimizer))
+                rec.update(method.log_metrics(model, optimizer))
                 if plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
                     rec["eval_loss"] = eval_loss(model, plan.eval_set, bsz, pad_id, device, autocast)
                 metrics_file.write(json.dumps(rec) + "\n")
@@ -165,7 +164,7 @@ def train(cfg, restarts: int = 0) -> dict:
             if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
                 if bool(nonfinite):
                     raise TrainingDiverged(f"loss became non-finite before the checkpoint at step {step}.")
-                state = {"step": step, "data_order": order.state_dict(), "method_state": hook(method, "state_dict")(),
+                state = {"step": step, "data_order": order.state_dict(), "method_state": method.state_dict(),
                          "model": cfg.model, "method": cfg.method, "stage": stage}
                 save_checkpoint(run_dir, step, model, optimizer, state, saved_config_text(cfg),
                                 cfg.save_total_limit, fault)

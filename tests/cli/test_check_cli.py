@@ -30,7 +30,7 @@ def test_check_bf16_reports_ratio(capsys):
 
 
 def test_check_exit_1_over_tolerance(monkeypatch, capsys):
-    from revffn import check
+    from revffn.reports import check
 
     monkeypatch.setitem(check.TOL, "max_rel_grad_error", 0.0)
     assert cli.main(["check", "--model", "tiny-qwen2-moe", "--layers", "2", "--json"]) == 1

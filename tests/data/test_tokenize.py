@@ -4,7 +4,7 @@ import pytest
 
 from revffn.data.collate import IGNORE_INDEX, collate, tokenize_dataset
 from revffn.data.formats import load_examples, normalise
-from revffn.data.templates import prompt_messages, render_prompt, render_segments
+from revffn.data.templates import render_prompt, render_segments
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
 
@@ -45,7 +45,7 @@ def test_labels_mask_exactly_the_prompt(path, tok, fallback_tok):
 @pytest.mark.parametrize("path", ["chat", "fallback"])
 def test_render_prompt_matches_training_prefix(path, tok, fallback_tok):
     tokenizer = tok if path == "chat" else fallback_tok
-    prompt = render_prompt(prompt_messages(MULTI), tokenizer)
+    prompt = render_prompt(MULTI["messages"][:-1], tokenizer)
     full = "".join(text for text, _ in render_segments(MULTI, tokenizer))
     assert full.startswith(prompt) and full[len(prompt):].startswith("star moon sun")
     assert prompt.endswith("<|assistant|>\n")

@@ -5,21 +5,20 @@ import math
 import pytest
 import torch
 
-from revffn.check import make_batch
 from revffn.errors import UserError
 from revffn.memory.estimate import (
-    config_presets,
     count_params,
     estimate,
     fits,
     format_estimate,
-    load_config,
     parse_size,
 )
 from revffn.memory.measure import SavedTensorLog
 from revffn.models.convert import convert
+from revffn.models.loading import config_presets, hf_config
 from revffn.models.loss import causal_lm_loss
 from revffn.models.presets import tiny_model
+from revffn.reports.check import make_batch
 from tests.conftest import GENERIC, REQUIRED
 
 GiB = 2**30
@@ -29,7 +28,7 @@ GiB = 2**30
 def test_param_counts_match_real_tiny_models(name):
     for layers in (2, 3):
         model = tiny_model(name, num_hidden_layers=layers)
-        counts = count_params(load_config(name, num_hidden_layers=layers))
+        counts = count_params(hf_config(name, num_hidden_layers=layers))
         assert counts["total"] == sum(p.numel() for p in model.parameters())
         adapters = sum(p.numel() for p in convert(model).adapter_parameters())
         assert counts["adapters_revffn"] == adapters
@@ -38,7 +37,7 @@ def test_param_counts_match_real_tiny_models(name):
 def test_param_counts_dense_layers_and_tied_head():
     for name, kw in [("tiny-qwen2-moe", dict(mlp_only_layers=[1], num_hidden_layers=3)),
                      ("tiny-qwen3-moe", dict(decoder_sparse_step=2, num_hidden_layers=4, tie_word_embeddings=True))]:
-        counts = count_params(load_config(name, **kw))
+        counts = count_params(hf_config(name, **kw))
         assert counts["dense_mlp"] > 0
         assert counts["total"] == sum(p.numel() for p in tiny_model(name, **kw).parameters())
 
@@ -47,13 +46,13 @@ def test_param_counts_dense_layers_and_tied_head():
                                             ("olmoe-1b-7b", 6.9), ("qwen3-30b-a3b", 30.5)])
 def test_public_presets_param_counts(name, billions):
     assert name in config_presets()
-    total = count_params(load_config(name))["total"]
+    total = count_params(hf_config(name))["total"]
     assert abs(total / 1e9 - billions) <= 0.01 * billions, total
 
 
 def test_revffn_activations_flat_in_depth_full_grows():
     def acts(method, layers):
-        est = estimate(load_config("qwen1.5-moe-a2.7b", num_hidden_layers=layers), method, 8, 2048, "bfloat16")
+        est = estimate(hf_config("qwen1.5-moe-a2.7b", num_hidden_layers=layers), method, 8, 2048, "bfloat16")
         return est["activations"] - est["routing_records"]
 
     assert acts("revffn", 32) <= 1.05 * acts("revffn", 4)
@@ -62,7 +61,7 @@ def test_revffn_activations_flat_in_depth_full_grows():
 
 
 def test_revffn_cheaper_than_full_at_scale():
-    config = load_config("qwen1.5-moe-a2.7b")
+    config = hf_config("qwen1.5-moe-a2.7b")
     for dtype in ("float32", "bfloat16"):
         full, rev = (estimate(config, m, 8, 2048, dtype) for m in ("full", "revffn"))
         assert rev["total"] < full["total"]
@@ -75,7 +74,7 @@ def test_revffn_cheaper_than_full_at_scale():
 
 
 def test_precision_and_optimizer_bytes():
-    config = load_config("olmoe-1b-7b")
+    config = hf_config("olmoe-1b-7b")
     est = estimate(config, "full", 1, 512, "bfloat16")
     n = est["trainable_params"]
     # torch AdamW keeps exp_avg / exp_avg_sq in the parameter dtype: bf16 params, bf16 states
@@ -90,7 +89,7 @@ def test_precision_and_optimizer_bytes():
 
 @pytest.mark.parametrize("group_size", [1, 2, 5])
 def test_hift_states_about_one_over_k(group_size):
-    config = load_config("qwen1.5-moe-a2.7b")
+    config = hf_config("qwen1.5-moe-a2.7b")
     full = estimate(config, "full", 4, 1024, "bfloat16")
     hift = estimate(config, "hift", 4, 1024, "bfloat16", group_size=group_size)
     k = math.ceil((config.num_hidden_layers + 2) / group_size)
@@ -101,7 +100,7 @@ def test_hift_states_about_one_over_k(group_size):
 
 
 def test_peft_methods_train_few_params():
-    config = load_config("mixtral-8x7b")
+    config = hf_config("mixtral-8x7b")
     full = estimate(config, "full", 1, 2048, "bfloat16")
     for method in ("lora", "dora", "refta"):
         est = estimate(config, method, 1, 2048, "bfloat16")
@@ -119,7 +118,7 @@ def test_peft_methods_train_few_params():
 
 
 def test_eager_attention_keeps_probabilities():
-    config = load_config("qwen3-30b-a3b")
+    config = hf_config("qwen3-30b-a3b")
     sdpa = estimate(config, "full", 1, 4096, "bfloat16")["activations"]
     eager = estimate(config, "full", 1, 4096, "bfloat16", attn_implementation="eager")["activations"]
     assert eager - sdpa >= 48 * 32 * 4096 * 4096 * 4
@@ -139,9 +138,9 @@ def test_parse_size_and_fits():
 
 def test_unknown_preset_method_and_option():
     with pytest.raises(UserError) as err:
-        load_config("qwen1.5-moe")
+        hf_config("qwen1.5-moe")
     assert "qwen1.5-moe-a2.7b" in str(err.value) and "tiny-qwen2-moe" in str(err.value)
-    config = load_config("tiny-olmoe")
+    config = hf_config("tiny-olmoe")
     with pytest.raises(UserError, match="method"):
         estimate(config, "fulll", 1, 8)
     with pytest.raises(UserError, match="rank"):
@@ -151,17 +150,17 @@ def test_unknown_preset_method_and_option():
 
 
 def test_load_config_from_directory(tmp_path):
-    load_config("tiny-mixtral", num_hidden_layers=3).save_pretrained(tmp_path)
-    config = load_config(str(tmp_path))
+    hf_config("tiny-mixtral", num_hidden_layers=3).save_pretrained(tmp_path)
+    config = hf_config(str(tmp_path))
     assert config.model_type == "mixtral" and config.num_hidden_layers == 3
-    assert count_params(config)["total"] == count_params(load_config("tiny-mixtral", num_hidden_layers=3))["total"]
+    assert count_params(config)["total"] == count_params(hf_config("tiny-mixtral", num_hidden_layers=3))["total"]
 
 
 def test_format_estimate():
-    est = estimate(load_config("qwen1.5-moe-a2.7b"), "revffn", 8, 2048, "bfloat16")
+    est = estimate(hf_config("qwen1.5-moe-a2.7b"), "revffn", 8, 2048, "bfloat16")
     text = format_estimate(est, "80GB")
     assert "fits on this GPU (80GB): no" in text and "incl. routing records" in text and "GiB" in text
-    small = estimate(load_config("tiny-qwen2-moe"), "full", 2, 64)
+    small = estimate(hf_config("tiny-qwen2-moe"), "full", 2, 64)
     assert "fits on this GPU (80GB): yes" in format_estimate(small, "80GB")
     assert "fits" not in format_estimate(small, None)
 
@@ -193,7 +192,7 @@ def _measured_revffn(name: str, layers: int, reversible: bool = True) -> int:
 
 @pytest.mark.parametrize("name", REQUIRED)
 def test_calibration_against_saved_tensor_log(name):
-    config = load_config(name, num_hidden_layers=1)
+    config = hf_config(name, num_hidden_layers=1)
     full = estimate(config, "full", B, T)["activations"]
     assert full == pytest.approx(_measured_full(name, 1), rel=0.15)
     rev = estimate(config, "revffn", B, T, freeze_router=False)  # the measured model's router is trainable

@@ -10,8 +10,8 @@ Tolerance 15%; the worst case per method is printed (`pytest -s`).
 import pytest
 
 from revffn.memory.estimate import METHODS
-from revffn.reports import bench_worker
 from revffn.reports.bench import BenchSpec, estimate_fields, worker_args
+from revffn.reports.workers import bench as bench_worker
 from tests.conftest import REQUIRED
 
 TOL = 0.15

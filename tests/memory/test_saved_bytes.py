@@ -1,6 +1,6 @@
 """Structural memory property: activations saved by the reversible stack do not grow with depth."""
 
-from revffn.check import run_check
+from revffn.reports.check import run_check
 
 
 def test_saved_bytes_flat_in_depth():

@@ -10,7 +10,6 @@ import torch
 
 from revffn.data.tokenizer import load_tokenizer
 from revffn.methods import METHODS
-from revffn.methods.base import hook
 from revffn.models.loading import load_hf
 from revffn.training.config import load_config
 from revffn.training.setup import model_overrides
@@ -57,7 +56,7 @@ def step(method, model, optimizer, i: int, data: dict) -> float:
     loss = loss.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    hook(method, "after_step")(i, model, optimizer)
+    method.after_step(i, model, optimizer)
     return loss.item()
 
 

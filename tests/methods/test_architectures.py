@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from revffn.inference import load
+from revffn.models.loading import load
 from tests.methods._util import batch, build, config, optimizer_for, step
 
 PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe"]

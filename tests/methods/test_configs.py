@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from revffn.cli import main
+from revffn.data.templates import chat_prompts
 from revffn.data.tokenizer import load_tokenizer
-from revffn.inference import generate, load
+from revffn.models.generation import generate_texts
+from revffn.models.loading import load
 from tests.methods._util import CONFIGS, metrics
 
 ALL = sorted(CONFIGS.glob("*.yaml"))
@@ -52,5 +54,5 @@ def test_config_trains_and_reloads(name, tmp_path):
     assert last < first, [r["loss"] for r in rows]
     model = load(str(run / "final"))
     tok = load_tokenizer(str(run / "final"))
-    out = generate(model, tok, ["What is 3 + 4?"], max_new_tokens=4)
+    out = generate_texts(model, tok, chat_prompts(["What is 3 + 4?"], tok), max_new_tokens=4)
     assert len(out) == 1 and isinstance(out[0], str)

@@ -10,8 +10,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from revffn.errors import UserError
-from revffn.inference import load
 from revffn.models.causal_lm import CausalLM
+from revffn.models.loading import load
 from tests.methods._util import batch, build, changed, config, optimizer_for, snapshot, step
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from revffn.inference import load
 from revffn.methods.refta import ReFTALinear, trainable_count, wrappers_of
+from revffn.models.loading import load
 from tests.methods._util import batch, build, config, optimizer_for, step
 
 

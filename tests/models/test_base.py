@@ -9,10 +9,10 @@ from safetensors import safe_open
 
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
-from revffn.evaluate import retention_loss
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import RevFFNForCausalLM, convert
 from revffn.models.loading import SHIPPED_MODELS, check_model_ref, load_hf, resolve_model_ref
+from revffn.training.evaluate import retention_loss
 
 BASE_DIR = SHIPPED_MODELS["builtin:base"]
 

@@ -1,4 +1,4 @@
-"""A stand-in for `revffn.reports.bench_worker` (no imports, instant) to exercise how the bench
+"""A stand-in for `revffn.reports.workers.bench` (no imports, instant) to exercise how the bench
 parent handles workers that die, print garbage, hang, or succeed.
 
     python -m tests.reports.fake_worker ARGS_JSON      behaviour chosen by args["method"]

@@ -6,9 +6,10 @@ import shutil
 import pytest
 
 from revffn import cli
-from revffn.reports import bench, bench_worker
+from revffn.reports import bench
 from revffn.reports.bench import BenchSpec, resolve, run_bench, worker_args
-from revffn.reports.render import bench_markdown, write_bench
+from revffn.reports.render.bench import bench_markdown, write_bench
+from revffn.reports.workers import bench as bench_worker
 
 ROW_KEYS = ("method", "status", "peak_mem_bytes", "activation_bytes", "routing_record_bytes", "trainable_params",
             "grad_bytes", "optimizer_state_bytes", "tokens_per_s", "param_bytes", "static_bytes",

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from revffn import cli
+from revffn.reports.render.study import goal_check, study_markdown, write_study
 from revffn.reports.study import QUICK, StudyPlan, select_lr, summarize
-from revffn.reports.study_render import goal_check, study_markdown, write_study
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from revffn.check import run_check
+from revffn.reports.check import run_check
 from tests.conftest import GENERIC, REQUIRED
 
 

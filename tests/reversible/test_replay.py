@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from revffn import convert, tiny_model
-from revffn.reversible.coupling import SwitchAux
+from revffn.models.loss import SwitchAux
 
 
 def _grads(model, ids, mask=None, reversible=True):

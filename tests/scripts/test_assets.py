@@ -5,9 +5,9 @@ import re
 from pathlib import Path
 
 import pytest
+import tasks
+from corpus import ITEMS, python_doc_corpus
 
-from revffn.data import tasks
-from revffn.data.corpus import ITEMS, python_doc_corpus
 from revffn.data.formats import BUILTIN_DIR
 from revffn.data.tokenizer import SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
 from revffn.errors import UserError

@@ -54,7 +54,7 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     """Teacher-forced loss/perplexity over all examples; exact match over the first `limit` with answers."""
     from revffn.data.collate import tokenize_dataset
     from revffn.data.templates import render_prompt
-    from revffn.inference import generate_from_texts
+    from revffn.models.generation import generate_texts
 
     model.eval()
     device = next(model.parameters()).device
@@ -64,7 +64,7 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     if limit is not None:
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
-    preds = generate_from_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device) if scored else []
+    preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device) if scored else []
     hits = [is_match(p, e["answer"]) for p, e in zip(preds, scored)]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
             "n_scored": len(hits), "n_examples": len(examples),

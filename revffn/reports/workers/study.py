@@ -1,6 +1,6 @@
 """One study run in a fresh process, so its peak memory is its own.
 
-    python -m revffn.reports.study_worker JOB.json [JOB.json ...]
+    python -m revffn.reports.workers.study JOB.json [JOB.json ...]
 
 JOB.json (written by `revffn.reports.study`) names the method, task, seed, learning rate and
 schedule. The worker writes the run's training config next to it, trains through the one loop
@@ -56,10 +56,10 @@ def train_config(job: dict, run_dir: Path) -> dict:
 def losses_before_training(job: dict) -> dict:
     """Retention loss of the base (`measure_base`) and of the converted model at init (`gap_init`)."""
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.evaluate import retention_loss
     from revffn.models.causal_lm import CausalLM
     from revffn.models.convert import convert
     from revffn.models.loading import load_hf, resolve_model_ref
+    from revffn.training.evaluate import retention_loss
 
     tok = load_tokenizer(resolve_model_ref(BASE))
     limit = job.get("retention_limit")
@@ -78,9 +78,9 @@ def run_job(job: dict, baseline: int) -> dict:
         raise RuntimeError(f"injected fault in {job['method']}")
     from revffn.data.formats import load_examples
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.evaluate import evaluate, retention_loss
-    from revffn.inference import load
+    from revffn.models.loading import load
     from revffn.training.config import load_config
+    from revffn.training.evaluate import evaluate, retention_loss
     from revffn.training.loop import run
 
     run_dir = Path(job["run_dir"])

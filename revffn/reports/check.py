@@ -59,7 +59,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
     `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;
     `hidden` scales its widths (as `revffn bench --hidden`). `device`: cpu | cuda | auto."""
-    from revffn.reports.bench_model import build_hf, config_overrides
+    from revffn.models.loading import build_hf, config_overrides
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)

@@ -10,7 +10,7 @@ alpaca-style dicts (`instruction`, `input`, `output`) with distinct prompts (ins
 * `quickstart`: the same reversal on 2-3 words from a 12-word vocabulary, all in the instruction
   ("Reverse: red cat sun" -> "sun cat red"): short and learnable by a tiny *random* model in minutes.
 * `commas`: a format transformation, "Put commas between: rope ink tea" -> "rope, ink, tea" (2-3 nouns
-  from `revffn.data.corpus.ITEMS`, which the base's pretraining text lists as "rope, ink and tea"; the
+  from `corpus.ITEMS`, which the base's pretraining text lists as "rope, ink and tea"; the
   instruction and the comma-only answer never occur there). The quickstart task on the shipped base.
 
 `write_builtin(out_dir)` writes the `builtin:NAME` files (see `BUILTIN_SPLITS`). Splits are cut from
@@ -106,7 +106,7 @@ def quickstart(n: int, seed: int = 0) -> list[dict]:
 
 
 def _comma_example(rng: random.Random) -> dict:
-    from revffn.data.corpus import ITEMS  # nouns the base saw in lists; the task format it never saw
+    from corpus import ITEMS  # nouns the base saw in lists; the task format it never saw
 
     words = [rng.choice(ITEMS) for _ in range(rng.randint(2, 3))]
     return {"instruction": "Put commas between: " + " ".join(words), "input": "", "output": ", ".join(words)}

@@ -1,6 +1,6 @@
 """One bench measurement, run in a fresh process per method so its peak memory is its own.
 
-    python -m revffn.reports.bench_worker '{"model": "tiny-qwen2-moe", "method": "revffn", ...}'
+    python -m revffn.reports.workers.bench '{"model": "tiny-qwen2-moe", "method": "revffn", ...}'
 
 prints exactly one JSON line (the result row) on stdout. The model is built as `revffn train`
 builds it: `load_hf` (or random init for config-only presets), `METHODS[m](cfg).prepare`, `.train()`,
@@ -34,8 +34,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
 from revffn.methods import METHODS
-from revffn.methods.base import hook
-from revffn.reports.bench_model import build_hf, train_config
+from revffn.models.loading import build_hf
+from revffn.reports.bench import train_config
 from revffn.training.loop import _decay_groups
 
 
@@ -156,7 +156,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(with_grad, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        hook(method, "after_step")(first + i, model, optimizer)
+        method.after_step(first + i, model, optimizer)
         sync()
         t_opt = time.perf_counter() - t1
         active = {id(p) for p in trainable}

@@ -2,9 +2,9 @@
 
 import json
 
+import corpus
 import pytest
 
-from revffn.data import corpus
 from revffn.data.formats import BUILTIN_DIR, load_examples
 
 

@@ -1,0 +1,1 @@
+"""Renderers: Markdown tables and PNG plots from the runners' JSON (never re-measure)."""

@@ -1,0 +1,1 @@
+"""Bench and study worker processes (one run each, so peak memory is its own)."""

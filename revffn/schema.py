@@ -1,0 +1,67 @@
+"""Config-key schema: a `Key` per option (type, default, range, meaning) and its checks.
+
+Dependency-free (only `revffn.errors`), so methods can declare their options here without
+importing the training package: `training.config` validates the YAML against the top-level
+schema and every method's `SCHEMA`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from revffn.errors import closest
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its type, default, allowed range or choices, and a one-line meaning."""
+
+    type: type | tuple
+    default: Any
+    help: str
+    min: float | None = None
+    min_exclusive: bool = False
+    max: float | None = None
+    choices: tuple | None = None
+    required: bool = False
+
+
+def coerce(value, key: Key):
+    """Accept what YAML users write: ints for floats, '1e-4' strings for floats."""
+    types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if float in types and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def check_value(name: str, value, key: Key) -> str | None:
+    """A problem description for `value`, or None if it is valid."""
+    types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if isinstance(value, bool) and bool not in types:
+        return f"{name}: expected {_type_names(types)}, got {value!r}."
+    if not isinstance(value, types):
+        return f"{name}: expected {_type_names(types)}, got {value!r} ({type(value).__name__})."
+    if key.choices and value not in key.choices:
+        return f"{name}: {value!r} is not one of {', '.join(map(str, key.choices))}.{closest(str(value), key.choices)}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}: must be a finite number, got {value!r}."
+        if key.min is not None and (value < key.min or (key.min_exclusive and value == key.min)):
+            op = ">" if key.min_exclusive else ">="
+            return f"{name}: must be {op} {key.min:g}, got {value!r}."
+        if key.max is not None and value > key.max:
+            return f"{name}: must be <= {key.max:g}, got {value!r}."
+    return None
+
+
+def _type_names(types) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null",
+             dict: "a mapping"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
