@@ -73,6 +73,10 @@ class Method:
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()` on resume."""
 
+    def steady_state_step(self) -> int:
+        """The first step of the method's steady state: the bench measures from there (RevFFN: stage 2)."""
+        return 0
+
 
 def set_requires_grad(model: nn.Module, trainable: set[int]) -> None:
     """requires_grad=True exactly for parameters whose id() is in `trainable`."""

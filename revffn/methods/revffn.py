@@ -49,6 +49,9 @@ class RevFFNMethod(Method):
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return non_router_parameters(model, self.opts["freeze_router"])
 
+    def steady_state_step(self) -> int:
+        return self.opts["adapter_warmup_steps"]
+
     def stage(self, step: int) -> str:
         return "warmup" if step < self.opts["adapter_warmup_steps"] else "joint"
 
