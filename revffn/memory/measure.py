@@ -45,12 +45,12 @@ def saved_bytes_of_stack(model):
     gives the activation bytes without the routing records.
     """
     log = SavedTensorLog(model.parameters())
-    previous = model.stack_scope
-    model.stack_scope = log.hooks
+    previous = model.debug.stack_scope
+    model.debug.stack_scope = log.hooks
     try:
         yield log
     finally:
-        model.stack_scope = previous
+        model.debug.stack_scope = previous
 
 
 def peak_rss_bytes() -> int:

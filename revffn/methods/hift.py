@@ -86,17 +86,13 @@ class HiFTMethod(Method):
         self.groups = [[p for _, ps in chunk for p in ps] for chunk in chunks]
         self.group_names = ["+".join(n for n, _ in chunk) for chunk in chunks]
         k = len(self.groups)
-        if not self.order:
-            if self.strategy == "bottom2up":
-                self.order = list(range(k))
-            elif self.strategy == "top2down":
-                self.order = list(range(k - 1, -1, -1))
-            else:
-                self.order = list(range(k))
-                random.Random(self.cfg.seed).shuffle(self.order)
-        if sorted(self.order) != list(range(k)):
-            raise UserError(f"hift: the checkpoint's group queue {self.order} does not fit this model's {k} groups "
-                            "(group_size or the model changed). Fix: resume with the same config.")
+        if self.strategy == "bottom2up":
+            self.order = list(range(k))
+        elif self.strategy == "top2down":
+            self.order = list(range(k - 1, -1, -1))
+        else:
+            self.order = list(range(k))
+            random.Random(self.cfg.seed).shuffle(self.order)
 
     @property
     def num_groups(self) -> int:

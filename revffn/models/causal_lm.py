@@ -11,7 +11,7 @@ from torch import nn
 
 from revffn.models.architectures import spec_for
 from revffn.models.convert import RevFFNOutput
-from revffn.models.loss import SwitchAux, causal_lm_loss
+from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss
 from revffn.models.spec import get_path
 from revffn.reversible.replay import RouterTap
 
@@ -20,14 +20,14 @@ class CausalLM(nn.Module):
     """Wraps an HF `*ForCausalLM` (possibly with PEFT layers injected): forward(input_ids,
     attention_mask, labels, return_logits) -> RevFFNOutput with loss, loss_sum, n_tokens, aux_loss."""
 
-    def __init__(self, hf_model: nn.Module, aux_loss_coef: float | None = None):
+    def __init__(self, hf_model: nn.Module, aux_loss_coef: float | None = None, chunk_tokens: int = CHUNK_TOKENS):
         super().__init__()
         self.hf = hf_model
         config = hf_model.config
         self.spec = spec_for(hf_model)
         self.aux_loss_coef = (getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss_coef is None \
             else aux_loss_coef
-        self.chunk_tokens = 1024
+        self.chunk_tokens = chunk_tokens  # rows per chunk of the head + cross-entropy, as RevFFNForCausalLM
         self.num_experts = self.spec.num_experts(config)
         self.top_k = getattr(config, self.spec.top_k_key, 0)
         self._taps = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from transformers import masking_utils
 
 from revffn.errors import UserError
 from revffn.models.architectures import spec_for
-from revffn.models.loss import SwitchAux, causal_lm_loss
+from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss
 from revffn.models.spec import ArchSpec, get_path
 from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
@@ -115,6 +116,24 @@ class HFRevBlock(RevBlock):
 
 
 @dataclass
+class DebugOptions:
+    """Debug and measurement knobs of `RevFFNForCausalLM` (`model.debug`); the defaults train.
+
+    Attributes:
+        routing_replay: reuse the forward's router top-k in the reversible backward. False only to
+            show what replay prevents (tests).
+        track_routing_flips: count the tokens whose top-k on the rebuilt input differs from the
+            recorded one; read `model.routing_flips()` after backward.
+        stack_scope: a context-manager factory entered around the decoder stack only, e.g. the
+            saved-tensor hooks of `memory.measure.saved_bytes_of_stack`.
+    """
+
+    routing_replay: bool = True
+    track_routing_flips: bool = False
+    stack_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass
 class RevFFNOutput:
     """What `RevFFNForCausalLM.forward` returns (HF-style attribute access)."""
 
@@ -146,23 +165,25 @@ class RevFFNForCausalLM(nn.Module):
         reversible: use the reversible backward when training with grad enabled.
         stream_dtype: dtype of the residual streams X_1, X_2, Y_1, Y_2 (fp32 by default).
         aux_loss_coef: weight of the router load-balancing loss (0 disables it).
+        chunk_tokens: rows per chunk of the head + cross-entropy (`models.loss.causal_lm_loss`).
+        debug: `DebugOptions` (routing replay, flip counting, a scope around the decoder stack).
+        last_stack_stats: what the last forward's stack reported (record bytes and storages,
+            routing flips once its backward ran with `debug.track_routing_flips`).
     """
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
-                 stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None):
+                 stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
+                 chunk_tokens: int = CHUNK_TOKENS):
         super().__init__()
         self.hf, self.spec = hf_model, spec
         self.reversible = True
         self.stream_dtype = stream_dtype
-        self.adapter_init = adapter_init
         config = hf_model.config
         self.aux_loss_coef = (getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss_coef is None \
             else aux_loss_coef
-        self.chunk_tokens = 1024
-        self.track_routing_flips = False
-        self.routing_replay = True
+        self.chunk_tokens = chunk_tokens
+        self.debug = DebugOptions()
         self.last_stack_stats: dict = {}
-        self.stack_scope = contextlib.nullcontext  # e.g. saved-tensor hooks around the decoder stack only
         layers = get_path(hf_model, spec.layers)
         n_exp = spec.num_experts(config)
         self.num_experts, self.top_k = n_exp, getattr(config, spec.top_k_key, 0)
@@ -233,14 +254,10 @@ class RevFFNForCausalLM(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         sctx = self._context(embeds, attention_mask, position_ids)
         sctx.probe = probe
-        sctx.replay_routing = self.routing_replay
-        for b in self.blocks:
-            if b.router_tap is not None:
-                b.router_tap.track_flips = self.track_routing_flips
-                b.router_tap.flips = None
+        sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
         X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
         reversible = self.reversible and self.training and torch.is_grad_enabled()
-        with self.stack_scope():
+        with self.debug.stack_scope():
             Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
         self.last_stack_stats = sctx.stats
         norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
@@ -261,8 +278,9 @@ class RevFFNForCausalLM(nn.Module):
         return out
 
     def routing_flips(self) -> int:
-        return int(sum(int(b.router_tap.flips) for b in self.blocks
-                       if b.router_tap is not None and b.router_tap.flips is not None))
+        """Tokens whose rebuilt top-k differed from the record, summed over the layers, in the last
+        reversible backward (0 unless `debug.track_routing_flips` was set for it)."""
+        return int(self.last_stack_stats.get("routing_flips", 0))
 
     def adapter_parameters(self):
         return [p for n, p in self.named_parameters() if n.rsplit(".", 2)[-2] in ADAPTER_PREFIXES]

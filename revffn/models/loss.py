@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
+CHUNK_TOKENS = 1024  # rows of (hidden -> logits -> loss) at a time; shared by every model wrapper
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,7 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.
 
 
 def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                   chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy and the number of predicted tokens.
 
     Args:

@@ -1,4 +1,4 @@
-"""`revffn check`: the consistency check of the ops checklist (seed 001, step 3).
+"""`revffn check`: is the reversible backward exact for this model?
 
 Build or load a model, convert it, run forward and backward on one batch twice, reversible and
 plain twin, and compare: rebuilt layer inputs against the cached ones, gradients against the
@@ -78,7 +78,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
     conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
                    stream_dtype=stream_dtype)
     conv.train()
-    conv.track_routing_flips = True
+    conv.debug.track_routing_flips = True
     with torch.no_grad():
         conv.eval()
         loss_converted = conv(ids, attention_mask=mask, labels=labels, return_logits=False).loss.item()

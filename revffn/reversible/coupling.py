@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from revffn.reversible.replay import AutocastState, RNGState, RouterTap
 
@@ -35,32 +36,35 @@ from revffn.reversible.replay import AutocastState, RNGState, RouterTap
 class StackContext:
     """What every sub-block needs besides its stream: shared by all layers of one forward.
 
-    `position_embeddings` (cos, sin) and `masks` (one per attention kind) are inputs, not
-    activations; they are saved once per step, not per layer.
+    `position_embeddings` (e.g. RoPE's (cos, sin)) and `masks` (one per attention kind) are inputs,
+    not activations; they are saved once per step, not per layer. Either may be any pytree of
+    tensors (and None): `tensors()` flattens them, with the aux accumulator's tensors at the end.
     """
 
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_embeddings: object
     masks: dict[str, torch.Tensor | None]
     autocast: AutocastState
     aux: object | None = None  # a load-balancing accumulator (models.loss.SwitchAux): add/value/surrogate
     needs_rng: bool = False
     replay_routing: bool = True  # False only to demonstrate what replay prevents (tests)
+    track_flips: bool = False  # count tokens whose rebuilt top-k differs from the record (debug)
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
-    stats: dict = field(default_factory=dict)  # filled by RevStackFunction: record bytes and storages
+    stats: dict = field(default_factory=dict)  # filled by RevStackFunction: record bytes/storages, routing flips
+
+    def _inputs(self) -> tuple[list[torch.Tensor | None], TreeSpec]:
+        return tree_flatten((self.position_embeddings, self.masks), is_leaf=lambda x: x is None)
 
     def tensors(self) -> list[torch.Tensor | None]:
         aux = self.aux.tensors() if self.aux is not None else []
-        return [*self.position_embeddings, *self.masks.values(), *aux]
+        return [*self._inputs()[0], *aux]
 
     def with_tensors(self, tensors: list[torch.Tensor | None]) -> StackContext:
         """A copy whose tensors are `tensors` (same order as `tensors()`): lets the autograd Function
         keep them in save_for_backward and only plain Python state on ctx."""
-        keys = list(self.masks)
-        cos, sin, *rest = tensors
-        masks, aux_t = rest[: len(keys)], rest[len(keys) :]
-        aux = self.aux.with_tensors(aux_t) if self.aux is not None else None
-        return StackContext((cos, sin), dict(zip(keys, masks)), self.autocast, aux, self.needs_rng,
-                            self.replay_routing, self.probe, self.stats)
+        leaves, spec = self._inputs()
+        position_embeddings, masks = tree_unflatten(list(tensors[: len(leaves)]), spec)
+        aux = self.aux.with_tensors(tensors[len(leaves) :]) if self.aux is not None else None
+        return replace(self, position_embeddings=position_embeddings, masks=masks, aux=aux)
 
 
 class RevBlock(nn.Module):
@@ -133,18 +137,13 @@ class RevStackFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X_1, X_2, blocks, sctx: StackContext, *params):
-        layout = []  # per block: (n_routing_records, n_rng_tensors)
+        layout = []  # per block: (n_routing_records, n_rng_tensors, rng device)
         records: list[torch.Tensor] = []
         with torch.no_grad():
             for block in blocks:
-                tap = block.router_tap
-                if tap is not None:
-                    tap.start("record")
                 rng = [] if sctx.needs_rng else None
-                X_1, X_2 = block(X_1, X_2, sctx, rng)
-                routing = tap.take_records() if tap is not None else []
-                if tap is not None:
-                    tap.start(None)
+                with _recording(block.router_tap) as routing:
+                    X_1, X_2 = block(X_1, X_2, sctx, rng)
                 rng_tensors = [t for s in (rng or []) for t in s.tensors()]
                 layout.append((len(routing), len(rng_tensors), rng[0].device if rng else None))
                 records += routing + rng_tensors
@@ -172,18 +171,37 @@ class RevStackFunction(torch.autograd.Function):
             per_block.append((routing, _unflatten_rng(rng_t, dev)))
 
         for block, (routing, rng) in zip(reversed(ctx.blocks), reversed(per_block)):
-            tap = block.router_tap
-            if tap is not None and sctx.replay_routing:
-                tap.start("replay", routing)
-            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
-                Y_1, Y_2, dY_1, dY_2, sctx, rng, d_aux if use_aux else None
-            )
-            if tap is not None:
-                tap.start(None)
+            with _replaying(block.router_tap, routing, sctx):
+                Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
+                    Y_1, Y_2, dY_1, dY_2, sctx, rng, d_aux if use_aux else None
+                )
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, Y_1, Y_2)
         n_params = len(ctx.needs_input_grad) - 4
         return (dY_1, dY_2, None, None, *([None] * n_params))
+
+
+@contextlib.contextmanager
+def _recording(tap: RouterTap | None):
+    """The block's routing records (empty without a router)."""
+    if tap is None:
+        yield []
+        return
+    with tap.recording() as routing:
+        yield routing
+
+
+@contextlib.contextmanager
+def _replaying(tap: RouterTap | None, routing: list[torch.Tensor], sctx: StackContext):
+    """Replay the block's routing records; with `sctx.track_flips`, add the would-be flips to
+    `sctx.stats["routing_flips"]`. A no-op without a router or with `sctx.replay_routing=False`."""
+    if tap is None or not sctx.replay_routing:
+        yield
+        return
+    with tap.replaying(routing, sctx.track_flips) as replay:
+        yield
+    if sctx.track_flips:
+        sctx.stats["routing_flips"] = sctx.stats.get("routing_flips", 0) + int(replay.flips)
 
 
 def _unflatten_rng(tensors, device):

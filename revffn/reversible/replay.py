@@ -17,6 +17,7 @@ group-limited top-k) selects experts with `topk`, so the same code serves them a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,89 +36,121 @@ def compact_index_dtype(n: int) -> torch.dtype:
     return torch.int32
 
 
-class _TopKMode(TorchFunctionMode):
-    def __init__(self, tap: RouterTap):
-        super().__init__()
-        self.tap = tap
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _TOPK:
-            return self.tap._topk(func, args, kwargs)
-        return func(*args, **kwargs)
-
-
 class RouterTap:
     """Hooks on one HF router module: record or replay its top-k choices, and tap its logits.
 
-    Modes (set by the reversible stack, `None` outside it):
-      - ``"record"``: run top-k normally and append the indices, compactly typed, to `records`.
-      - ``"replay"``: return the recorded indices (in call order) and ``input.gather(indices)``
-        as values, so the weights stay differentiable; optionally count would-be flips.
-    `logits` holds the router's most recent logits (output index `logits_index`), for the
-    load-balancing loss.
+    The reversible stack drives it with two context managers; outside both the tap only keeps
+    `logits`, the router's most recent logits (output index `logits_index`), for the
+    load-balancing loss:
+
+      - ``with tap.recording() as records:`` top-k runs normally; its indices, compactly typed,
+        are appended to `records` in call order.
+      - ``with tap.replaying(records) as replay:`` top-k returns the recorded indices (in call order)
+        and ``input.gather(dim, indices)`` as values, so the routing weights stay differentiable.
+        With ``track_flips=True``, `replay.flips` counts the tokens whose fresh top-k on the
+        rebuilt input differs from the record.
+
+    The `TorchFunctionMode` that intercepts `topk` is entered by the router's forward pre-hook and
+    left by its forward hook (registered with ``always_call=True``, so an exception inside the
+    router still leaves it), and only while one of the two contexts is active: the interception
+    is scoped to this router's call. `remove()` detaches both hooks.
     """
 
     def __init__(self, router: nn.Module, num_experts: int, logits_index: int = 0):
         self.router = router
         self.index_dtype = compact_index_dtype(max(num_experts, 2))
         self.logits_index = logits_index
-        self.mode: str | None = None
-        self.records: list[torch.Tensor] = []
-        self._cursor = 0
-        self.track_flips = False
-        self.flips: torch.Tensor | None = None  # tokens whose rebuilt top-k differs from the record
         self.logits: torch.Tensor | None = None
-        self._mode_ctx: _TopKMode | None = None
-        router.register_forward_pre_hook(self._enter)
-        router.register_forward_hook(self._exit, always_call=True)
+        self._session: _Record | _Replay | None = None  # set by recording() / replaying()
+        self._entered = False  # the session's mode is on the torch-function stack (inside the router)
+        self._handles = (router.register_forward_pre_hook(self._enter),
+                         router.register_forward_hook(self._exit, always_call=True))
 
-    # -- hooks -------------------------------------------------------------------------------
+    # -- contexts ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """Record the router's top-k indices; yields the list they are appended to."""
+        session = _Record(self.index_dtype)
+        with self._active(session):
+            yield session.records
+
+    @contextlib.contextmanager
+    def replaying(self, records: list[torch.Tensor], track_flips: bool = False) -> Iterator[_Replay]:
+        """Reuse `records` (from `recording()`) as the router's top-k indices, in call order."""
+        session = _Replay(list(records), track_flips)
+        with self._active(session):
+            yield session
+
+    @contextlib.contextmanager
+    def _active(self, session):
+        if self._session is not None:
+            raise RuntimeError("RouterTap: already recording or replaying; the contexts do not nest.")
+        self._session, self.logits = session, None  # logits of an earlier call are stale here
+        try:
+            yield
+        finally:
+            self._session, self.logits = None, None  # the logits' graph is the block's: do not keep it alive
+
+    def remove(self) -> None:
+        """Detach both hooks: the router then runs untouched and `logits` is no longer updated."""
+        for handle in self._handles:
+            handle.remove()
+
+    # -- hooks -------------------------------------------------------------------------------------
     def _enter(self, module, args):
-        if self.mode is not None:
-            self._mode_ctx = _TopKMode(self)
-            self._mode_ctx.__enter__()
+        if self._session is not None:
+            self._session.__enter__()
+            self._entered = True
 
     def _exit(self, module, args, output):
-        if self._mode_ctx is not None:
-            self._mode_ctx.__exit__(None, None, None)
-            self._mode_ctx = None
+        if self._entered:  # also runs when the router raised (always_call=True)
+            self._entered = False
+            self._session.__exit__(None, None, None)
         out = output[self.logits_index] if isinstance(output, tuple) else output
         self.logits = out
 
-    # -- top-k ---------------------------------------------------------------------------------
-    def _topk(self, func, args, kwargs):
-        if self.mode == "record":
-            values, indices = func(*args, **kwargs)
-            self.records.append(indices.to(self.index_dtype))
-            return torch.return_types.topk((values, indices))
-        # replay
+
+class _Record(TorchFunctionMode):
+    """Inside the router: run `topk` and keep its indices."""
+
+    def __init__(self, index_dtype: torch.dtype):
+        super().__init__()
+        self.index_dtype = index_dtype
+        self.records: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
+        values, indices = func(*args, **kwargs)
+        self.records.append(indices.to(self.index_dtype))
+        return torch.return_types.topk((values, indices))
+
+
+class _Replay(TorchFunctionMode):
+    """Inside the router: answer `topk` with the next record; the values are gathered from the
+    input, so they carry its gradient."""
+
+    def __init__(self, records: list[torch.Tensor], track_flips: bool):
+        super().__init__()
+        self.records, self.cursor = records, 0
+        self.track_flips = track_flips
+        self.flips: torch.Tensor | int = 0  # tokens whose fresh top-k differs from the record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
         source = args[0]
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-        indices = self.records[self._cursor].long()
-        self._cursor += 1
+        indices = self.records[self.cursor].long()
+        self.cursor += 1
         if self.track_flips:
             with torch.no_grad():
                 fresh = func(*args, **kwargs)[1]
                 differs = (fresh.sort(dim).values != indices.sort(dim).values).any(dim)
-                count = differs.sum()
-                self.flips = count if self.flips is None else self.flips + count
+                self.flips = self.flips + differs.sum()
         return torch.return_types.topk((source.gather(dim, indices), indices))
-
-    # -- control ---------------------------------------------------------------------------------
-    def start(self, mode: str | None, records: list[torch.Tensor] | None = None) -> None:
-        self.mode = mode
-        self.records = [] if records is None else list(records)
-        self._cursor = 0
-        self.logits = None
-
-    def take_records(self) -> list[torch.Tensor]:
-        records, self.records = self.records, []
-        return records
-
-
-def record_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # -- RNG ---------------------------------------------------------------------------------------

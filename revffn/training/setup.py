@@ -32,7 +32,6 @@ class RunPlan:
     tokenizer: object
     train_set: object
     eval_set: object | None
-    eval_examples: list | None
 
 
 def _holds_run(run_dir: Path) -> bool:
@@ -111,11 +110,11 @@ def prepare_run(cfg) -> RunPlan:
     device, weights, autocast = pick_device(cfg)
     tokenizer = load_tokenizer(tokenizer_ref(cfg))
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
-    eval_set = eval_examples = None
+    eval_set = None
     if cfg.eval_data:
-        eval_examples = load_examples(cfg.eval_data, "eval_data")
-        eval_set = tokenize_dataset(eval_examples, tokenizer, cfg.max_seq_length, False, "eval_data")
-    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, eval_examples)
+        eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,
+                                    "eval_data")
+    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set)
 
 
 def model_overrides(cfg, tokenizer) -> dict:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from revffn import convert, tiny_model
+from revffn.models.convert import DebugOptions
 from revffn.models.loss import SwitchAux
 
 
@@ -49,16 +50,15 @@ def test_routing_replay_survives_a_forced_near_tie():
 
     handles = [r.register_forward_pre_hook(flip_feature_k) for r in model.routers()]
     try:
-        model.track_routing_flips = True
+        model.debug = DebugOptions(track_routing_flips=True)
         g_replay = _grads(model, ids)
         flips = model.routing_flips()
-        model.track_routing_flips = False
-        model.routing_replay = False
+        model.debug = DebugOptions(routing_replay=False)
         g_no_replay = _grads(model, ids)
     finally:
         for h in handles:
             h.remove()
-        model.routing_replay = True
+        model.debug = DebugOptions()
 
     experts = [n for n in g_plain if ".experts." in n]
     err_replay, err_no_replay = _rel(g_replay, g_plain, experts), _rel(g_no_replay, g_plain, experts)
