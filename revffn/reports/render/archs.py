@@ -29,7 +29,9 @@ def _short(text: str, n: int = 160) -> str:
 def _notes(r: dict) -> str:
     if r["status"] in ("refused", "crash", "build-error"):
         where = f" at {r['where']}" if r.get("where") else ""
-        return _short(r["reason"] + where, 200 if r["status"] == "crash" else 160)
+        if r.get("revffn_frame") and r["revffn_frame"] != r.get("where"):
+            where += f", from {r['revffn_frame']}"  # where the engine called in
+        return _short(r["reason"] + where, 260 if r["status"] == "crash" else 160)
     notes = [r["reason"]] if r.get("reason") else []
     if r.get("discrete_ops_unrecorded"):
         notes.append(f"{r['discrete_ops_unrecorded']} top-k/argmax/sort choices not replayed")
