@@ -7,6 +7,7 @@
     revffn check --model tiny-qwen2-moe --layers 4  reversible vs plain gradients
     revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --out DIR   memory and speed per method
     revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate
+    revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
 
 Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed), 2 bad input.
 """
@@ -98,6 +99,33 @@ def cmd_study(args) -> int:
             return 1
     print(f"revffn study: wrote {', '.join(written)} in {out}")
     return 0
+
+
+def cmd_archs(args) -> int:
+    from revffn.models.tiny_any import moe_model_types
+    from revffn.reports.archs import run_archs
+    from revffn.reports.render.archs import render_markdown, summary
+
+    known = moe_model_types()
+    types = [t.strip() for t in args.types.split(",") if t.strip()] if args.types else None
+    unknown = [t for t in types or [] if t not in known]
+    if unknown:
+        raise UserError(f"--types: {', '.join(unknown)} not among the MoE causal-LM model types of this transformers. "
+                        f"Fix: choose from {', '.join(known)}.")
+
+    def progress(i, n, row):
+        if not args.json:
+            print(f"[{i}/{n}] {row['model_type']:<22} {row['status']}", file=sys.stderr, flush=True)
+
+    data = run_archs(types, timeout=args.timeout, argv=args.argv, progress=progress)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(data, indent=1) + "\n")
+    text = render_markdown(data)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(json.dumps(data) if args.json else text if not args.out else summary(data))
+    failed = [r for r in data["results"] if r["status"] in ("wrong", "unfaithful", "crash", "build-error")]
+    return 1 if failed else 0
 
 
 def cmd_estimate(args) -> int:
@@ -242,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="estimator option: rank=8, group_size=2, freeze_router=false, padded=false, ...")
     s.add_argument("--json", action="store_true", help="print exactly one JSON object")
     s.set_defaults(fn=cmd_estimate)
+
+    a = sub.add_parser("archs", help="architecture sweep: every HF MoE causal LM, tiny, reversible vs plain gradients")
+    a.add_argument("--types", default=None, help="comma-separated model types (default: every MoE causal-LM type)")
+    a.add_argument("--timeout", type=float, default=60.0, help="seconds per model type before it counts as a crash")
+    a.add_argument("--out", default=None, metavar="FILE.md", help="write the Markdown table there (e.g. "
+                   "docs/architectures.md)")
+    a.add_argument("--json-out", default=None, metavar="FILE.json", help="also write the full JSON document there")
+    a.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    a.set_defaults(fn=cmd_archs)
 
     q = sub.add_parser("study", help="quality study: every method fine-tunes the shipped base on the built-in tasks")
     q.add_argument("--out", required=True, help="output directory (study.json, study.md, plots, runs/)")

@@ -1,0 +1,346 @@
+"""`revffn archs`: the architecture sweep. Every HF MoE causal LM, tiny, trained one step both ways.
+
+For each model type of `moe_model_types()`: build the tiny model (`tiny_model_for`: fp32, seed 0,
+every dropout / jitter key > 0), `convert()` it, and run one batch (2 x 16 tokens, the last row
+padded) in train mode twice from the same RNG seed: the plain twin (`model.reversible = False`),
+then the reversible stack. Loss and EVERY parameter gradient are compared (max relative error per
+parameter, as `revffn check` does). Status:
+
+    exact        max relative grad error <= 1e-5 and equal loss, and nothing of the HF model left out
+    wrong        a silent error: the reversible gradients differ (the worst outcome)
+    unfaithful   exact against the plain twin, but the converted model silently leaves out part of
+                 the HF one (a post-norm, a multiplier, a residual weight: see the gaps below)
+    refused      convert (or the forward) raised a UserError; its message is the reason
+    crash        any other exception (type, message, where), or the time limit
+    build-error  the tiny model itself could not be built
+
+Diagnostics, never part of the status: `rng_used` (the plain forward drew from the CPU generator)
+against `rng_replayed` (the engine records RNG state), per randomness setting (`variants`);
+`discrete_ops_unrecorded` (top-k / argmax / sort / max-with-dim calls on values outside the routers
+`RouterTap` records: choices the backward takes afresh); `layer_gap`, `embed_gap`, `logits_gap`
+(see `layout_gaps`); `no_grad` (trainable parameters the converted model never uses, beyond those
+the HF model itself leaves without gradient).
+
+    revffn archs --out docs/architectures.md --json-out archs.json
+    revffn archs --types mixtral,jamba --json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from revffn.errors import UserError
+from revffn.models.architectures import spec_for
+from revffn.models.convert import convert
+from revffn.models.spec import get_path
+from revffn.models.tiny_any import STOCHASTIC, moe_model_types, stochastic_keys, tiny_model_for
+from revffn.reports.check import make_batch
+
+TOL = 1e-5
+BATCH, SEQ = 2, 16
+GRAD_FLOOR = 1e-3  # see grad_error
+DISCRETE = (torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, torch.argsort, torch.Tensor.argsort,
+            torch.sort, torch.Tensor.sort, torch.multinomial, torch.Tensor.multinomial)
+WITH_DIM = (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)  # with a dim they return indices
+STATUSES = ("exact", "wrong", "unfaithful", "refused", "crash", "build-error")
+GAPS = ("layer_gap", "embed_gap", "logits_gap")
+GAP_TOL = 1e-4  # fp32 recomputation of the same ops agrees to ~1e-6
+
+
+class SweepTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise `SweepTimeout` in the body after `seconds` (main thread only; elsewhere no limit)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise SweepTimeout(f"over the {seconds:g} s limit")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _where(exc: BaseException, revffn_only: bool = False) -> str:
+    """file:line of the innermost frame (the op that raised), or of the innermost revffn frame."""
+    tb = [f for f in traceback.extract_tb(exc.__traceback__)
+          if f.filename != __file__ and (not revffn_only or "/revffn/" in f.filename)]
+    if not tb:
+        return ""
+    f = tb[-1]
+    path = f.filename.split("site-packages/")[-1].split("/revffn/")[-1]
+    return f"{path}:{f.lineno} ({f.name})"
+
+
+class DiscreteOps(TorchFunctionMode):
+    """Counts the index-choosing ops (top-k, argmax, sort, sampling) a forward calls outside the
+    routers that `RouterTap` records: decisions the backward recomputation takes afresh on a
+    rebuilt input, where a near-tie can flip."""
+
+    def __init__(self, routers):
+        super().__init__()
+        self.inside, self.outside = 0, 0
+        self._handles = [h for r in routers for h in (r.register_forward_pre_hook(self._enter),
+                                                       r.register_forward_hook(self._exit, always_call=True))]
+
+    def _enter(self, module, args):
+        self.inside += 1
+
+    def _exit(self, module, args, output):
+        self.inside -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with_dim = len(args) > 1 and isinstance(args[1], int) or "dim" in kwargs
+        chooses = func in DISCRETE or (func in WITH_DIM and with_dim)
+        if (chooses and not self.inside and args and torch.is_tensor(args[0]) and args[0].is_floating_point()
+                and "/revffn/" not in sys._getframe(1).f_code.co_filename):  # revffn's own load-balancing count
+            self.outside += 1  # a choice made on values (sorting expert indices is not one)
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+
+def _step(model, ids, mask, labels, reversible: bool, seed: int, count_discrete: bool = False):
+    """One forward + backward from `seed`; returns loss, grads, whether the CPU generator was used,
+    and (count_discrete) the index-choosing ops outside the recorded routers."""
+    model.zero_grad(set_to_none=True)
+    model.reversible = reversible
+    torch.manual_seed(seed)
+    before = torch.get_rng_state()
+    counter = DiscreteOps(model.routers() if hasattr(model, "routers") else []) if count_discrete \
+        else contextlib.nullcontext()
+    with counter:
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=False)
+    rng_used = not torch.equal(before, torch.get_rng_state())
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.item(), grads, rng_used, (counter.outside if count_discrete else None)
+
+
+def grad_error(g_plain: dict, g_rev: dict) -> tuple[float, str | None]:
+    """Max over parameters of ||g_rev - g_plain|| / max(||g_plain||, FLOOR * largest ||g_plain||),
+    and the worst parameter's name. The floor keeps a gradient that is zero up to rounding (a top-1
+    router's: its weight is always 1) from being judged on its rounding noise. A gradient present
+    on one side only counts as an infinite error."""
+    if set(g_plain) != set(g_rev):
+        return math.inf, sorted(set(g_plain) ^ set(g_rev))[0]
+    norms = {n: g.norm().item() for n, g in g_plain.items()}
+    floor = GRAD_FLOOR * max(norms.values(), default=0.0)
+    worst, name = 0.0, None
+    for n in sorted(g_plain):
+        den = max(norms[n], floor)
+        diff = (g_rev[n] - g_plain[n]).norm().item()
+        err = diff / den if den > 0 else diff
+        if not err <= worst:  # NaN counts as worst
+            worst, name = err, n
+    return worst, name
+
+
+def _pattern(name: str) -> str:
+    """'hf.model.layers.1.base_layer.post_feedforward_layernorm.weight' -> 'post_feedforward_layernorm.weight'
+    (the same for the unconverted 'model.layers.1.post_feedforward_layernorm.weight')."""
+    name = re.sub(r"\.\d+(\.|$)", r".*\1", name).removeprefix("hf.")
+    return name.split(".*.", 1)[-1].removeprefix("base_layer.")
+
+
+def layout_gaps(hf, spec, ids, mask) -> dict[str, float | None]:
+    """How far the HF model is from what the converted one computes around its streams, at full
+    width in eval mode, as max |ref - hf| / max |hf|; 0 when nothing is left out:
+
+    - layer_gap: every decoder layer against h + a + mlp(mlp_norm(h + a)), a = attn(attn_norm(h)),
+      with the kwargs HF passed it (F and G at full width);
+    - embed_gap: the first layer's input against `spec.embed(ids)` (embedding multipliers);
+    - logits_gap: HF's logits against `spec.head(spec.final_norm(last layer's output))` (logit
+      scaling, soft-capping).
+    None where not measurable (the reference itself fails).
+    """
+    layers = get_path(hf, spec.layers)
+    seen: list = []
+
+    def hook(module, args, kwargs, output):
+        h = args[0] if args else kwargs.get("hidden_states")
+        seen.append((module, h, kwargs, output[0] if isinstance(output, tuple) else output))
+
+    def rel(ref, y) -> float:
+        return ((ref - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
+
+    def standard(layer, h, kw):
+        a = getattr(layer, spec.attn)(hidden_states=getattr(layer, spec.attn_norm)(h),
+                                      position_embeddings=kw.get("position_embeddings"),
+                                      attention_mask=kw.get("attention_mask"))[0]
+        m = getattr(layer, spec.mlp)(getattr(layer, spec.mlp_norm)(h + a))
+        return h + a + (m[0] if isinstance(m, tuple) else m)
+
+    gaps: dict[str, float | None] = {"layer_gap": None, "embed_gap": None, "logits_gap": None}
+    handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    was_training = hf.training
+    try:
+        hf.eval()
+        with torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for key, fn in (("embed_gap", lambda: rel(get_path(hf, spec.embed)(ids), seen[0][1])),
+                            ("logits_gap", lambda: rel(get_path(hf, spec.head)(
+                                get_path(hf, spec.final_norm)(seen[-1][3])), logits)),
+                            ("layer_gap", lambda: max(rel(standard(m, h, kw), y) for m, h, kw, y in seen))):
+                with contextlib.suppress(Exception):
+                    gaps[key] = fn()
+    except Exception:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        hf.train(was_training)
+    return gaps
+
+
+def sweep_one(model_type: str, seed: int = 0, batch: int = BATCH, seq: int = SEQ, timeout: float | None = 60.0,
+              diagnose: bool = True) -> dict:
+    """Build, convert and compare one model type; never raises (see module docstring)."""
+    row = {"model_type": model_type, "status": None, "max_rel_grad_error": None, "worst_param": None,
+           "loss_diff": None, "reason": "", "stage": "build", "seconds": None}
+    t0 = time.perf_counter()
+    try:
+        with time_limit(timeout):
+            _run(row, model_type, seed, batch, seq, diagnose)
+    except UserError as e:
+        row.update(status="refused", reason=str(e))
+    except Exception as e:  # noqa: BLE001 - every failure is a result
+        status = "build-error" if row["stage"] == "build" else "crash"
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        row.update(status=status, reason=f"{type(e).__name__}: {msg}", where=_where(e), revffn_frame=_where(e, True))
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def variants(model_type: str) -> dict[str, float | dict[str, float]]:
+    """The randomness settings each type is compared under: every keyed dropout / jitter on, each
+    key alone (when there are several), and none (randomness that no config key controls)."""
+    keys = stochastic_keys(model_type)
+    out: dict = {"all": STOCHASTIC}
+    if len(keys) > 1:
+        out.update({k: {k: STOCHASTIC} for k in keys})
+    if keys:
+        out["none"] = 0.0
+    return out
+
+
+def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: bool) -> None:
+    settings = variants(model_type)
+    hf = tiny_model_for(model_type, seed=seed)
+    hf.train()
+    row["hf_class"] = type(hf).__name__
+    row["layers"] = getattr(hf.config, "num_hidden_layers", None)
+    ids, mask, labels = make_batch(hf.config.vocab_size, batch, seq, seed)
+    row["stage"] = "convert"
+    spec = spec_for(hf)  # the UserError convert would raise, before the probes below
+    if diagnose:
+        row.update(layout_gaps(hf, spec, ids, mask))
+        row["hf_no_grad"] = _hf_no_grad(hf, ids, mask, labels)
+    row["variants"] = {}
+    for name, stochastic in settings.items():
+        if name != "all":
+            row["stage"] = f"build ({name})"
+            hf = tiny_model_for(model_type, seed=seed, stochastic=stochastic)
+        row["stage"] = "convert" if name == "all" else f"convert ({name})"
+        model = convert(hf)
+        model.train()
+        row["stage"] = "plain" if name == "all" else f"plain ({name})"
+        loss_plain, g_plain, rng_used, discrete = _step(model, ids, mask, labels, False, seed, name == "all")
+        if not (math.isfinite(loss_plain) and all(torch.isfinite(g).all() for g in g_plain.values())):
+            raise FloatingPointError(f"the plain twin's loss or gradients are not finite (loss {loss_plain})")
+        if name == "all":
+            row["router_taps"] = sum(getattr(b, "router_tap", None) is not None for b in model.blocks)
+            row["discrete_ops_unrecorded"] = discrete
+            no_grad = {_pattern(n) for n, p in model.named_parameters() if p.requires_grad and n not in g_plain}
+            row["no_grad"] = sorted(no_grad - set(row.get("hf_no_grad") or ()))
+        row["stage"] = "reversible" if name == "all" else f"reversible ({name})"
+        loss_rev, g_rev, _, _ = _step(model, ids, mask, labels, True, seed)
+        err, worst = grad_error(g_plain, g_rev)
+        row["variants"][name] = {"max_rel_grad_error": err, "worst_param": worst and _pattern(worst),
+                                 "loss_diff": abs(loss_rev - loss_plain), "rng_used": rng_used,
+                                 "rng_replayed": getattr(model, "has_dropout", None)}  # None: the engine decides
+        del model, hf  # the next setting builds its own
+    row["stage"] = "compare"
+    name, worst = max(row["variants"].items(), key=lambda kv: (kv[1]["max_rel_grad_error"], kv[1]["loss_diff"]))
+    row.update(max_rel_grad_error=worst["max_rel_grad_error"], worst_param=worst["worst_param"],
+               loss_diff=max(v["loss_diff"] for v in row["variants"].values()))
+    if worst["max_rel_grad_error"] <= TOL and row["loss_diff"] <= TOL:
+        left_out = [f"{k} {row[k]:.2g}" for k in GAPS if (row.get(k) or 0) > GAP_TOL]
+        left_out += [f"no gradient for {', '.join(row['no_grad'])}"] if row.get("no_grad") else []
+        if left_out:
+            row["status"] = "unfaithful"
+            row["reason"] = "exact against its plain twin, but the converted model leaves out part of the HF one: " \
+                            + "; ".join(left_out)
+        else:
+            row["status"] = "exact"
+        return
+    row["status"] = "wrong"
+    what = "every key on" if name == "all" else "no dropout / jitter key on" if name == "none" else f"only {name} on"
+    row["reason"] = f"with {what}: gradient of {worst['worst_param']} off by {worst['max_rel_grad_error']:.3g}"
+    if worst["rng_used"] and worst["rng_replayed"] is False:
+        row["reason"] += " (the forward drew random numbers; the engine did not replay them)"
+
+
+def _hf_no_grad(hf, ids, mask, labels) -> list[str] | None:
+    """Trainable parameters without a gradient in the unconverted model (e.g. a detached indexer)."""
+    try:
+        hf.zero_grad(set_to_none=True)
+        hf(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        out = sorted({_pattern(n) for n, p in hf.named_parameters() if p.requires_grad and p.grad is None})
+        hf.zero_grad(set_to_none=True)
+        return out
+    except Exception:
+        return None
+
+
+def run_archs(types: list[str] | None = None, seed: int = 0, timeout: float | None = 60.0, diagnose: bool = True,
+              argv: list[str] | None = None, progress=None) -> dict:
+    """Sweep `types` (default: every MoE causal-LM type); the archs.json document."""
+    import transformers
+
+    from revffn.reports.bench import _git
+
+    types = types or moe_model_types()
+    t0 = time.perf_counter()
+    rows = []
+    torch_threads = torch.get_num_threads()
+    for i, mt in enumerate(types, 1):
+        with torch.random.fork_rng(devices=[]):
+            rows.append(sweep_one(mt, seed=seed, timeout=timeout, diagnose=diagnose))
+        if progress is not None:
+            progress(i, len(types), rows[-1])
+    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    return {
+        "run_info": {"command": " ".join(["revffn", *argv]) if argv is not None else None, "seed": seed,
+                     "batch": BATCH, "seq": SEQ, "tolerance": TOL, "timeout_s": timeout, "git_commit": _git("rev-parse",
+                     "HEAD"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     "wall_s": round(time.perf_counter() - t0, 1)},
+        "meta_info": {"python": platform.python_version(), "torch": torch.__version__,
+                      "transformers": transformers.__version__, "torch_threads": torch_threads},
+        "counts": counts,
+        "results": rows,
+    }
