@@ -24,7 +24,7 @@ SCHEMA: dict[str, Key] = {
     "model": Key(str, None, "builtin:base, preset name (tiny-qwen2-moe, ...) or local HF model directory",
                  required=True),
     "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
-    "method": Key(str, "revffn", "fine-tuning method (see `revffn train --help-methods`)"),
+    "method": Key(str, "revffn", "fine-tuning method (see the README's Methods table)"),
     "data": Key(str, None, "training data: JSON/JSONL file, or builtin:NAME", required=True),
     "eval_data": Key((str, type(None)), None, "evaluation data (same formats); null for none"),
     "output_dir": Key(str, None, "where config, metrics, checkpoints, final/ and the report go", required=True),
