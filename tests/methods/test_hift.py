@@ -12,8 +12,9 @@ import pytest
 
 from revffn.methods.hift import HiFTMethod
 from revffn.training.schedule import lr_at
-from tests.methods._util import CONFIGS, batch, build, changed, config, metrics, optimizer_for, snapshot, step
+from tests.methods._util import CONFIGS, ROOT, batch, build, changed, config, metrics, optimizer_for, snapshot, step
 
+FAULT_RUN = ROOT / "tests" / "training" / "fault_run.py"  # revffn train with a fault injected
 EXPECTED = {"bottom2up": [0, 1, 2, 3], "top2down": [3, 2, 1, 0]}
 
 
@@ -61,11 +62,10 @@ def test_group_size_and_state_roundtrip(tmp_path):
 
 
 def _train(cfg_overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """`revffn train` in a child process; `fault`: a tests/training/fault_run.py spec injected into it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("REVFFN_FAULT", None)
-    if fault:
-        env["REVFFN_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "revffn", "train", str(CONFIGS / "tiny_hift.yaml"), *cfg_overrides],
+    launch = [str(FAULT_RUN), fault] if fault else ["-m", "revffn", "train"]
+    return subprocess.run([sys.executable, *launch, str(CONFIGS / "tiny_hift.yaml"), *cfg_overrides],
                           env=env, capture_output=True, text=True, timeout=600)
 
 
