@@ -3,69 +3,200 @@
     revffn train                       # the built-in quickstart
     revffn train configs/x.yaml max_steps=100 revffn.adapter_warmup_steps=20
 
-Read top to bottom: prepare (validate, no allocation) -> build -> resume -> step loop (trainable
-set, LR, micro-batches, clip, AdamW, log, eval, checkpoint) -> final/ -> report. The report is also
-written when the run stops on an error.
+`train` reads top to bottom: prepare (validate, no allocation) -> `Recipe.setup` (build, resume,
+open metrics.jsonl and the progress bar) -> `Recipe.train` (the step loop: `train_step`, then a
+metrics line, an eval and a checkpoint on their cadence) -> `Recipe.export` (final/) -> report.
+The metrics file and the bar are closed, and the report written, on every path, errors included.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
-import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from revffn.data.collate import DataOrder, collate
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
-from revffn.methods import METHODS
-from revffn.models.loading import load_hf
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
 from revffn.training.evaluate import eval_loss
-from revffn.training.schedule import lr_at
+from revffn.training.report import write_run_report
 from revffn.training.setup import clear_run, model_overrides, prepare_run, saved_config_text
+from revffn.training.step import StepResult, build_run, train_step
+
+Fault = Callable[[str, int], None]
+"""Test hook `fault(point, step)`: called after each optimizer step ("step") and in the middle of
+each checkpoint write ("save"); it may raise or kill the process (tests/training/fault_run.py)."""
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN/Inf. Exit code 1; the last good checkpoint stays intact."""
 
 
-_fired: set[str] = set()
+@dataclass
+class _Window:
+    """What one metrics line reports on: the steps since the previous line."""
+
+    loss_sum: torch.Tensor  # () on the device: summed token losses (read once per line: the host sync)
+    n_tokens: int = 0  # predicted tokens (the loss denominator)
+    seen_tokens: int = 0  # input tokens (tokens_per_s)
+    t_start: float = field(default_factory=time.perf_counter)
 
 
-def fault(point: str, step: int) -> None:
-    """Test hook: REVFFN_FAULT='kill@step:7' / 'kill@save:10' / 'raise@step:5' (raise fires once)."""
-    spec = os.environ.get("REVFFN_FAULT", "")
-    for item in filter(None, spec.split(",")):
-        action, where = item.split("@")
-        name, at = where.split(":")
-        if name == point and int(at) == step and item not in _fired:
-            if action == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            _fired.add(item)
-            raise RuntimeError(f"injected fault at {point} {step}")
+class Recipe:
+    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file and the bar."""
+
+    def __init__(self, cfg, plan, fault: Fault | None = None):
+        self.cfg, self.plan, self.fault = cfg, plan, fault
+        self.step, self.stage = 0, None
+        self._open = contextlib.ExitStack()  # the metrics file and the bar
+
+    def setup(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
+                             model_config=model_overrides(cfg, plan.tokenizer))
+        self.order = DataOrder(len(plan.train_set.items), cfg.seed)
+        if plan.resume_from is not None:
+            self._resume(plan.resume_from)
+        self.bar = self._open.enter_context(tqdm(total=cfg.max_steps, initial=self.step, desc=f"{cfg.method}",
+                                                 dynamic_ncols=True, disable=None, file=sys.stderr))
+        self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a"))
+
+    def _resume(self, path: Path) -> None:
+        state = load_checkpoint(path, self.run.model, self.run.optimizer)
+        self.step = state["step"]
+        self.order.load_state_dict(state["data_order"])
+        self.run.method.load_state_dict(state["method_state"])
+        _truncate_metrics(self.plan.run_dir / "metrics.jsonl", self.step)
+
+    def train(self) -> None:
+        """The step loop: one optimizer step, then a metrics line, an eval and a checkpoint on their cadence."""
+        cfg = self.cfg
+        self.window = _Window(torch.zeros((), device=self.plan.device))
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.plan.device)  # sticky, checked per line
+        while self.step < cfg.max_steps:
+            micro = self._micro_batches()
+            prev_stage = self.stage
+            result = train_step(self.run, self.step, micro)
+            self.stage = result.stage
+            self.window.loss_sum += result.loss_sum
+            self.window.n_tokens += result.n_tokens
+            self.window.seen_tokens += sum(int(m["attention_mask"].sum()) for m in micro)  # CPU: no sync
+            self.nonfinite |= ~torch.isfinite(self.window.loss_sum)
+            self.step += 1
+            if self.fault is not None:
+                self.fault("step", self.step)
+            self.bar.update(1)
+            if self.step % cfg.logging_steps == 0 or self.step == cfg.max_steps or self.stage != prev_stage:
+                self._log(result)
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                self._save()
+
+    def _micro_batches(self) -> list[dict]:
+        """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order."""
+        items, bsz = self.plan.train_set.items, self.cfg.per_device_train_batch_size
+        return [collate([items[i] for i in self.order.next_indices(bsz)], self.plan.tokenizer.pad_token_id)
+                for _ in range(self.cfg.gradient_accumulation_steps)]
+
+    def _log(self, result: StepResult) -> None:
+        """One metrics.jsonl line (and the bar's postfix); raises TrainingDiverged on a NaN/Inf loss."""
+        cfg, run, w, step = self.cfg, self.run, self.window, self.step
+        dt = time.perf_counter() - w.t_start
+        train_loss = (w.loss_sum / max(w.n_tokens, 1)).item()  # the one host sync per log
+        if bool(self.nonfinite) or not math.isfinite(train_loss):
+            raise TrainingDiverged(f"loss became {train_loss} at step {step} (stage {self.stage}, lr "
+                                   f"{result.lr:.3g}). The last checkpoint is intact. Fix: lower learning_rate, "
+                                   "raise warmup_steps, or set max_grad_norm.")
+        rec = {"step": step, "stage": self.stage, "loss": train_loss, "lr": result.lr,
+               "grad_norm": float(result.grad_norm), "tokens_per_s": w.seen_tokens / dt,
+               "peak_mem_bytes": peak_memory_bytes(run.device)}
+        if result.aux_loss is not None:
+            rec["aux_loss"] = float(result.aux_loss)
+        rec.update(run.method.log_metrics(run.model, run.optimizer))
+        if self.plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
+            rec["eval_loss"] = self.eval_loss()
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        self.bar.set_postfix(loss=f"{train_loss:.3f}", stage=self.stage, tok_s=f"{rec['tokens_per_s']:.0f}",
+                             mem=f"{rec['peak_mem_bytes'] / 2**30:.2f}G")
+        self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
+
+    def _save(self) -> None:
+        if bool(self.nonfinite):
+            raise TrainingDiverged(f"loss became non-finite before the checkpoint at step {self.step}.")
+        cfg, run = self.cfg, self.run
+        state = {"step": self.step, "data_order": self.order.state_dict(), "method_state": run.method.state_dict(),
+                 "model": cfg.model, "method": cfg.method, "stage": self.stage}
+        save_checkpoint(self.plan.run_dir, self.step, run.model, run.optimizer, state, saved_config_text(cfg),
+                        cfg.save_total_limit, self.fault)
+
+    def eval_loss(self) -> float:
+        plan, run = self.plan, self.run
+        return eval_loss(run.model, plan.eval_set, self.cfg.per_device_train_batch_size,
+                         plan.tokenizer.pad_token_id, run.device, run.autocast)
+
+    def export(self) -> Path:
+        """final/: the method's export and the tokenizer, written aside and renamed into place."""
+        run_dir = self.plan.run_dir
+        final, tmp = run_dir / "final", run_dir / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.run.method.export(self.run.model, tmp)
+        self.plan.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    def cleanup(self) -> None:
+        """Close the bar and the metrics file (idempotent)."""
+        self._open.close()
 
 
-def _decay_groups(params, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D), as HF Trainer does."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
+    """Run one training job described by a validated config; returns the final summary.
 
-
-def train(cfg, restarts: int = 0) -> dict:
-    """Run one training job described by a validated config; returns the final summary."""
-    from revffn.data.collate import DataOrder, collate
-    from revffn.training.report import write_run_report
-
+    Raises:
+        UserError: bad input (nothing written). TrainingDiverged: the loss became NaN/Inf.
+    """
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
-    run_dir, device = plan.run_dir, plan.device
+    _open_run_dir(cfg, plan, restarts)
+    summary: dict = {"status": "running", "restarts": restarts}
+    recipe = Recipe(cfg, plan, fault)
+    try:
+        recipe.setup()
+        summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(plan.device))
+        recipe.train()
+        recipe.cleanup()
+        final = recipe.export()
+        if plan.eval_set is not None:
+            summary["eval_loss"] = recipe.eval_loss()
+        summary.update(status="ok", steps=recipe.step, final_dir=str(final), stage=recipe.stage)
+        return summary
+    except TrainingDiverged as e:
+        summary.update(status="diverged", error=str(e))
+        raise
+    except BaseException as e:
+        summary.update(status="error", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        recipe.cleanup()
+        with contextlib.suppress(Exception):
+            write_run_report(plan.run_dir, summary)
+
+
+def _open_run_dir(cfg, plan, restarts: int) -> None:
+    """A new run gets config.yaml and an empty metrics.jsonl; a resumed one keeps its metrics."""
+    run_dir = plan.run_dir
     if plan.resume_from is None:
         if cfg.overwrite:
             clear_run(run_dir, keep_events=restarts > 0)
@@ -78,119 +209,6 @@ def train(cfg, restarts: int = 0) -> dict:
             (run_dir / "config.yaml").write_text(saved_config_text(cfg))
         (run_dir / "metrics.jsonl").touch()
     clean_partial(run_dir)
-    summary: dict = {"status": "running", "restarts": restarts}
-    try:
-        torch.manual_seed(cfg.seed)
-        tok = plan.tokenizer
-        hf = load_hf(cfg.model, dtype=plan.weights_dtype, seed=cfg.seed, **model_overrides(cfg, tok))
-        method = METHODS[cfg.method](cfg)
-        model = method.prepare(hf).to(device)
-        model.train()
-        params = method.optimizer_parameters(model)
-        optimizer = torch.optim.AdamW(_decay_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-        order = DataOrder(len(plan.train_set.items), cfg.seed)
-        step = 0
-        if plan.resume_from is not None:
-            state = load_checkpoint(plan.resume_from, model, optimizer)
-            step = state["step"]
-            order.load_state_dict(state["data_order"])
-            method.load_state_dict(state["method_state"])
-            _truncate_metrics(run_dir / "metrics.jsonl", step)
-        autocast = (lambda: torch.autocast(device.type, dtype=plan.autocast_dtype)) if plan.autocast_dtype \
-            else contextlib.nullcontext
-        pad_id = tok.pad_token_id
-        accum, bsz = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size
-        sched_len = method.schedule_length(cfg.max_steps)
-        nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-        summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(device))
-        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"{cfg.method}", dynamic_ncols=True,
-                   disable=None, file=sys.stderr)
-        t_last, tokens_since = time.perf_counter(), 0
-        loss_log = torch.zeros((), device=device)
-        ntok_log = 0
-        metrics_file = open(run_dir / "metrics.jsonl", "a")
-        stage = None
-        while step < cfg.max_steps:
-            prev_stage, stage = stage, method.set_trainable(model, step, optimizer)
-            lr = lr_at(method.schedule_position(step), sched_len, cfg.learning_rate, cfg.warmup_steps,
-                       cfg.lr_scheduler_type, cfg.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micro = [collate([plan.train_set.items[i] for i in order.next_indices(bsz)], pad_id)
-                     for _ in range(accum)]
-            n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)  # CPU tensors: no device sync
-            tokens_since += sum(int(m["attention_mask"].sum()) for m in micro)
-            for mb in micro:
-                mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-                with autocast():
-                    out = model(**mb, return_logits=False)
-                loss = out.loss_sum / max(n_total, 1)
-                if out.aux_loss is not None and out.aux_loss.requires_grad:
-                    loss = loss + model.aux_loss_coef * out.aux_loss / accum
-                loss.backward()
-                loss_log += out.loss_sum.detach().float()
-            ntok_log += n_total
-            trainable = [p for p in params if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0
-                                                       else float("inf"))
-            nonfinite |= ~torch.isfinite(loss_log)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            method.after_step(step, model, optimizer)
-            step += 1
-            fault("step", step)
-            bar.update(1)
-            if step % cfg.logging_steps == 0 or step == cfg.max_steps or stage != prev_stage:
-                dt = time.perf_counter() - t_last
-                train_loss = (loss_log / max(ntok_log, 1)).item()  # the one host sync per log
-                if bool(nonfinite) or not torch.isfinite(torch.tensor(train_loss)):
-                    raise TrainingDiverged(f"loss became {train_loss} at step {step} (stage {stage}, lr {lr:.3g}). "
-                                           "The last checkpoint is intact. Fix: lower learning_rate, raise "
-                                           "warmup_steps, or set max_grad_norm.")
-                rec = {"step": step, "stage": stage, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_s": tokens_since / dt, "peak_mem_bytes": peak_memory_bytes(device)}
-                if out.aux_loss is not None:
-                    rec["aux_loss"] = float(out.aux_loss.detach())
-                rec.update(method.log_metrics(model, optimizer))
-                if plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
-                    rec["eval_loss"] = eval_loss(model, plan.eval_set, bsz, pad_id, device, autocast)
-                metrics_file.write(json.dumps(rec) + "\n")
-                metrics_file.flush()
-                bar.set_postfix(loss=f"{train_loss:.3f}", stage=stage, tok_s=f"{rec['tokens_per_s']:.0f}",
-                                mem=f"{rec['peak_mem_bytes'] / 2**30:.2f}G")
-                loss_log.zero_()
-                ntok_log, tokens_since, t_last = 0, 0, time.perf_counter()
-            if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
-                if bool(nonfinite):
-                    raise TrainingDiverged(f"loss became non-finite before the checkpoint at step {step}.")
-                state = {"step": step, "data_order": order.state_dict(), "method_state": method.state_dict(),
-                         "model": cfg.model, "method": cfg.method, "stage": stage}
-                save_checkpoint(run_dir, step, model, optimizer, state, saved_config_text(cfg),
-                                cfg.save_total_limit, fault)
-        bar.close()
-        metrics_file.close()
-        final = run_dir / "final"
-        tmp = run_dir / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        method.export(model, tmp)
-        tok.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if plan.eval_set is not None:
-            summary["eval_loss"] = eval_loss(model, plan.eval_set, bsz, pad_id, device, autocast)
-        summary.update(status="ok", steps=step, final_dir=str(final), stage=stage)
-        return summary
-    except TrainingDiverged as e:
-        summary.update(status="diverged", error=str(e))
-        raise
-    except BaseException as e:
-        summary.update(status="error", error=f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            write_run_report(run_dir, summary)
 
 
 def _truncate_metrics(path, step: int) -> None:
@@ -201,7 +219,7 @@ def _truncate_metrics(path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
-def run(cfg) -> dict:
+def run(cfg, fault: Fault | None = None) -> dict:
     """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash."""
     from revffn.training.checkpoint import latest_checkpoint
     from revffn.training.config import TrainConfig
@@ -209,7 +227,7 @@ def run(cfg) -> dict:
     restarts = 0
     while True:
         try:
-            return train(cfg, restarts)
+            return train(cfg, restarts, fault)
         except (UserError, TrainingDiverged, KeyboardInterrupt):
             raise
         except Exception as e:

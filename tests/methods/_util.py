@@ -1,5 +1,5 @@
-"""Helpers shared by the method tests: configs from configs/, a model prepared by a method, a
-hand-driven step through the Method protocol (what the loop does, minus logging/checkpoints)."""
+"""Helpers shared by the method tests: configs from configs/, a run built as the loop builds it
+(`build_run`), and one optimizer step of it (`train_step`, what the loop runs, minus logging/checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,25 @@ from pathlib import Path
 import torch
 
 from revffn.data.tokenizer import load_tokenizer
-from revffn.methods import METHODS
-from revffn.models.loading import load_hf
 from revffn.training.config import load_config
 from revffn.training.setup import model_overrides
+from revffn.training.step import Run, build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 
 
-def config(method: str, tmp: Path, *overrides: str):
-    """configs/tiny_{method}.yaml (fp32, CPU) with overrides."""
+def config(method: str, tmp: Path, *overrides: str, lr: float | None = None):
+    """configs/tiny_{method}.yaml (fp32, CPU) with overrides; `lr`: a constant learning rate, no warmup."""
+    fixed_lr = [f"learning_rate={lr}", "lr_scheduler_type=constant", "warmup_steps=0"] if lr else []
     return load_config(str(CONFIGS / f"tiny_{method}.yaml"),
-                       [f"output_dir={tmp}", "dtype=float32", "device=cpu", *overrides])
+                       [f"output_dir={tmp}", "dtype=float32", "device=cpu", *fixed_lr, *overrides])
 
 
-def build(cfg):
-    """(method, model) exactly as the loop builds them (same seed => same weights)."""
-    torch.manual_seed(cfg.seed)
+def build(cfg) -> Run:
+    """The run exactly as the loop builds it on CPU in fp32 (same seed => same weights)."""
     tok = load_tokenizer(cfg.tokenizer)
-    hf = load_hf(cfg.model, dtype=torch.float32, seed=cfg.seed, **model_overrides(cfg, tok))
-    method = METHODS[cfg.method](cfg)
-    model = method.prepare(hf)
-    model.train()
-    return method, model
+    return build_run(cfg, torch.device("cpu"), torch.float32, None, model_config=model_overrides(cfg, tok))
 
 
 def batch(vocab: int = 500, n: int = 2, t: int = 24, seed: int = 0) -> dict:
@@ -41,23 +36,10 @@ def batch(vocab: int = 500, n: int = 2, t: int = 24, seed: int = 0) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def optimizer_for(method, model, lr: float = 1e-2):
-    return torch.optim.AdamW(method.optimizer_parameters(model), lr=lr, weight_decay=0.0)
-
-
-def step(method, model, optimizer, i: int, data: dict) -> float:
-    """One optimizer step through the Method protocol, as the loop runs it."""
-    method.set_trainable(model, i, optimizer)
-    out = model(**data, return_logits=False)
-    loss = out.loss_sum / out.n_tokens
-    if out.aux_loss is not None and out.aux_loss.requires_grad:
-        loss = loss + model.aux_loss_coef * out.aux_loss
-    loss.backward()
-    loss = loss.detach()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    method.after_step(i, model, optimizer)
-    return loss.item()
+def step(run: Run, i: int, data: dict) -> float:
+    """Optimizer step `i` on one batch, as the loop runs it; the batch's mean token loss."""
+    result = train_step(run, i, [data])
+    return float(result.loss_sum) / result.n_tokens
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from revffn.models.loading import load
-from tests.methods._util import batch, build, config, optimizer_for, step
+from tests.methods._util import batch, build, config, step
 
 PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe"]
 
@@ -17,7 +17,8 @@ PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe"]
 @pytest.mark.parametrize("method", ["ckpt", "lora", "dora", "hift", "refta"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_method_on_preset(preset, method, tmp_path):
-    meth, model = build(config(method, tmp_path, f"model={preset}", "model_config={}"))
+    run = build(config(method, tmp_path, f"model={preset}", "model_config={}", lr=1e-2))
+    meth, model = run.method, run.model
     if method == "lora":
         modules, parameters = meth.targets
         assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(parameters)
@@ -25,9 +26,8 @@ def test_method_on_preset(preset, method, tmp_path):
             assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(parameters)
             assert any("shared_experts.gate_proj.lora_A" in n for n, _ in model.named_parameters())
         assert not meth.peft_model.peft_config["default"].rank_pattern  # ranks stay r
-    opt = optimizer_for(meth, model, lr=1e-2)
     for i in range(2):
-        step(meth, model, opt, i, batch(seed=i))
+        step(run, i, batch(seed=i))
     model.eval()
     ids = batch(seed=7)["input_ids"]
     with torch.no_grad():

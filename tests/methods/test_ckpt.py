@@ -8,8 +8,9 @@ from tests.methods._util import batch, build, config
 
 
 def _grads(cfg, counter: list | None = None) -> dict[str, torch.Tensor]:
-    method, model = build(cfg)
-    method.set_trainable(model, 0)
+    run = build(cfg)
+    model = run.model
+    run.method.set_trainable(model, 0)
     if counter is not None:  # inside the checkpointed forward: runs again in backward when recomputed
         model.hf.model.layers[0].self_attn.register_forward_hook(lambda *a: counter.append(1))
     out = model(**batch(), return_logits=False)

@@ -12,30 +12,31 @@ import pytest
 
 from revffn.methods.hift import HiFTMethod
 from revffn.training.schedule import lr_at
-from tests.methods._util import CONFIGS, batch, build, changed, config, metrics, optimizer_for, snapshot, step
+from tests.methods._util import CONFIGS, ROOT, batch, build, changed, config, metrics, snapshot, step
 
+FAULT_RUN = ROOT / "tests" / "training" / "fault_run.py"  # revffn train with a fault injected
 EXPECTED = {"bottom2up": [0, 1, 2, 3], "top2down": [3, 2, 1, 0]}
 
 
 @pytest.mark.parametrize("alias,strategy", [("down2up", "bottom2up"), ("up2down", "top2down")])
 def test_strategy_aliases(alias, strategy, tmp_path):
-    method, _ = build(config("hift", tmp_path, f"hift.strategy={alias}"))
+    method = build(config("hift", tmp_path, f"hift.strategy={alias}")).method
     assert method.strategy == strategy and method.order == EXPECTED[strategy]
 
 
 @pytest.mark.parametrize("strategy", ["bottom2up", "top2down", "random"])
 def test_one_group_per_step_in_strategy_order(strategy, tmp_path):
-    method, model = build(config("hift", tmp_path, f"hift.strategy={strategy}"))
+    run = build(config("hift", tmp_path, f"hift.strategy={strategy}", lr=1e-3))
+    method, model = run.method, run.model
     k = method.num_groups
     assert k == 4 and method.group_names == ["embed", "layer0", "layer1", "head"]  # 2 layers
     group_of = {n: g for n, p in model.named_parameters() for g, grp in enumerate(method.groups)
                 if any(p is q for q in grp)}
     assert len(group_of) == len(list(model.parameters()))  # every parameter is in exactly one group
-    opt = optimizer_for(method, model, lr=1e-3)
     visited = []
     for i in range(2 * k):
         before = snapshot(model)
-        step(method, model, opt, i, batch(seed=i))
+        step(run, i, batch(seed=i))
         groups = {group_of[n] for n in changed(before, model)}
         assert len(groups) == 1, (i, groups)  # exactly one group moved
         visited.append(groups.pop())
@@ -51,7 +52,7 @@ def test_one_group_per_step_in_strategy_order(strategy, tmp_path):
 
 
 def test_group_size_and_state_roundtrip(tmp_path):
-    method, _ = build(config("hift", tmp_path, "hift.group_size=3", "hift.strategy=top2down"))
+    method = build(config("hift", tmp_path, "hift.group_size=3", "hift.strategy=top2down")).method
     assert method.group_names == ["embed+layer0+layer1", "head"] and method.order == [1, 0]
     state = json.loads(json.dumps(method.state_dict()))  # JSON-serialisable (trainer_state.json)
     other = HiFTMethod(config("hift", tmp_path, "hift.group_size=3", "hift.strategy=top2down"))
@@ -61,11 +62,10 @@ def test_group_size_and_state_roundtrip(tmp_path):
 
 
 def _train(cfg_overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """`revffn train` in a child process; `fault`: a tests/training/fault_run.py spec injected into it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("REVFFN_FAULT", None)
-    if fault:
-        env["REVFFN_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "revffn", "train", str(CONFIGS / "tiny_hift.yaml"), *cfg_overrides],
+    launch = [str(FAULT_RUN), fault] if fault else ["-m", "revffn", "train"]
+    return subprocess.run([sys.executable, *launch, str(CONFIGS / "tiny_hift.yaml"), *cfg_overrides],
                           env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -12,13 +12,14 @@ from transformers import AutoModelForCausalLM
 from revffn.errors import UserError
 from revffn.models.causal_lm import CausalLM
 from revffn.models.loading import load
-from tests.methods._util import batch, build, changed, config, optimizer_for, snapshot, step
+from tests.methods._util import batch, build, changed, config, snapshot, step
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # peft probes a deprecated HF attribute on load
 @pytest.mark.parametrize("name", ["lora", "dora"])
 def test_only_adapters_train_and_merge_matches(name, tmp_path):
-    method, model = build(config(name, tmp_path, f"{name}.r=4"))
+    run = build(config(name, tmp_path, f"{name}.r=4", lr=1e-2))
+    method, model = run.method, run.model
     modules, parameters = method.targets
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= set(modules)
     if name == "lora":  # the fused 3-D experts, through peft's target_parameters
@@ -29,9 +30,8 @@ def test_only_adapters_train_and_merge_matches(name, tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     assert not any(".mlp.gate." in n for n in trainable)  # router excluded by default
     before = snapshot(model)
-    opt = optimizer_for(method, model, lr=1e-2)
     for i in range(3):
-        step(method, model, opt, i, batch(seed=i))
+        step(run, i, batch(seed=i))
     moved = changed(before, model)
     assert moved and moved <= trainable, sorted(moved - trainable)[:5]
     if name == "lora":
@@ -53,7 +53,7 @@ def test_only_adapters_train_and_merge_matches(name, tmp_path):
         hf = CausalLM(AutoModelForCausalLM.from_pretrained(final, local_files_only=True)).eval()
         via_hf = hf(data["input_ids"], attention_mask=data["attention_mask"]).logits
     assert not any("lora_" in n for n, _ in model.named_parameters())
-    _, base = build(config(name, tmp_path, "method=full"))  # same seed: the untrained base weights
+    base = build(config(name, tmp_path, "method=full")).model  # same seed: the untrained base weights
     with torch.no_grad():  # final/adapter is a working peft adapter for that base
         adapted = PeftModel.from_pretrained(base.hf, final / "adapter")
         via_adapter = CausalLM(adapted.base_model.model).eval()(data["input_ids"],
@@ -63,7 +63,8 @@ def test_only_adapters_train_and_merge_matches(name, tmp_path):
 
 
 def test_lora_include_router_and_dropout_rules(tmp_path):
-    method, model = build(config("lora", tmp_path, "lora.r=2", "lora.include_router=true"))
+    run = build(config("lora", tmp_path, "lora.r=2", "lora.include_router=true"))
+    method, model = run.method, run.model
     assert "mlp.gate.weight" in method.targets[1]
     assert any(".mlp.gate.lora_A" in n for n, _ in model.named_parameters())
     out = model(**batch(), return_logits=False)
@@ -74,7 +75,7 @@ def test_lora_include_router_and_dropout_rules(tmp_path):
     assert model._taps[0].logits.shape[0] == 24  # fresh logits of this 1 x 24 batch, not stale ones
     with pytest.raises(UserError, match="lora_dropout"):
         build(config("lora", tmp_path, "lora.lora_dropout=0.1"))
-    method, _ = build(config("lora", tmp_path, "lora.lora_dropout=0.1", "lora.target_modules=[q_proj,v_proj]"))
+    method = build(config("lora", tmp_path, "lora.lora_dropout=0.1", "lora.target_modules=[q_proj,v_proj]")).method
     assert method.targets == (["q_proj", "v_proj"], [])
     with pytest.raises(UserError, match="include_router"):
         build(config("dora", tmp_path, "dora.include_router=true"))

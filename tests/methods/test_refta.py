@@ -6,11 +6,11 @@ import torch
 
 from revffn.methods.refta import ReFTALinear, trainable_count, wrappers_of
 from revffn.models.loading import load
-from tests.methods._util import batch, build, config, optimizer_for, step
+from tests.methods._util import batch, build, config, step
 
 
 def test_efficient_forward_equals_materialised_delta(tmp_path):
-    _, model = build(config("refta", tmp_path, "refta.r=4"))
+    model = build(config("refta", tmp_path, "refta.r=4")).model
     wrappers = wrappers_of(model)
     assert len(wrappers) == 8  # q/k/v/o in 2 layers
     assert set(model.refta_shared.keys()) == {"in64_out64", "in64_out32"}  # q/o share one A, k/v another
@@ -30,10 +30,10 @@ def test_efficient_forward_equals_materialised_delta(tmp_path):
 
 def test_fewer_trainable_parameters_than_lora(tmp_path):
     r = 16
-    _, model = build(config("refta", tmp_path, f"refta.r={r}"))
+    model = build(config("refta", tmp_path, f"refta.r={r}")).model
     refta = trainable_count(model)
-    lora_method, lora_model = build(config("lora", tmp_path, f"lora.r={r}",
-                                           "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"))
+    lora = build(config("lora", tmp_path, f"lora.r={r}", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"))
+    lora_method, lora_model = lora.method, lora.model
     assert lora_method.targets == (["q_proj", "k_proj", "v_proj", "o_proj"], [])
     lora = sum(p.numel() for p in lora_method.optimizer_parameters(lora_model))
     print(f"trainable parameters at r={r} on q/k/v/o: refta {refta}, lora {lora}")
@@ -41,18 +41,18 @@ def test_fewer_trainable_parameters_than_lora(tmp_path):
 
 
 def test_zero_init_then_merged_export_reloads(tmp_path):
-    cfg = config("refta", tmp_path, "refta.r=4")
-    _, plain = build(cfg)  # same seed: the base weights the wrapped model starts from
-    method, model = build(cfg)
+    cfg = config("refta", tmp_path, "refta.r=4", lr=1e-2)
+    plain = build(cfg).model  # same seed: the base weights the wrapped model starts from
+    run = build(cfg)
+    method, model = run.method, run.model
     data = batch(seed=5)
     ids, mask = data["input_ids"], data["attention_mask"]
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(ids, attention_mask=mask).logits, plain.eval()(ids, attention_mask=mask).logits)
     model.train()
-    opt = optimizer_for(method, model, lr=1e-2)
     for i in range(3):
-        step(method, model, opt, i, batch(seed=i))
+        step(run, i, batch(seed=i))
     assert all(w.B.abs().sum() > 0 for _, w in wrappers_of(model))
     model.eval()
     with torch.no_grad():

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from revffn import cli
 from revffn.reports import bench
@@ -18,10 +19,10 @@ ROW_KEYS = ("method", "status", "peak_mem_bytes", "activation_bytes", "routing_r
 
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory):
-    """One real bench (a fresh process per method); dora's worker is made to fail."""
+    """One real bench (a fresh process per method); dora's worker is made to fail (tests/reports/fault_worker.py)."""
     out = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REVFFN_BENCH_FAULT", "dora=raise")
+        mp.setattr(bench, "WORKER_MODULE", "tests.reports.fault_worker")
         rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full,revffn,lora,dora", "--layers", "2",
                        "--batch", "2", "--seq", "32", "--steps", "1", "--out", str(out)])
     assert rc == 1  # a method failed; the others were still measured and written
@@ -91,11 +92,16 @@ def test_parent_survives_killed_garbage_and_hanging_workers(tmp_path, monkeypatc
     assert "Failed:" in md and all(f"| {m} | error |" in md for m in ("full", "lora", "dora"))
 
 
-def test_out_of_memory_is_its_own_status(monkeypatch):
-    monkeypatch.setenv("REVFFN_BENCH_FAULT", "full=oom")
+@pytest.mark.parametrize("error", [MemoryError, torch.OutOfMemoryError])
+def test_out_of_memory_is_its_own_status(monkeypatch, error):
+    def out_of_memory(run, step, *args, **kwargs):
+        raise error(f"injected out-of-memory at step {step}")
+
+    monkeypatch.setattr(bench_worker, "train_step", out_of_memory)
     spec = resolve(BenchSpec("tiny-qwen2-moe", ["full"], layers=1, batch=1, seq=8))
     row = bench_worker.run(worker_args(spec, "full"))
-    assert row["status"] == "oom" and "MemoryError" in row["error"]
+    assert row["status"] == "oom" and error.__name__ in row["error"] and "injected" in row["error"]
+    assert set(row) == {"method", "status", "error", "wall_s"}  # no half-measured fields
 
 
 def test_sweep_over_layers_on_a_config_only_preset(tmp_path):

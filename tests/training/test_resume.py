@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+FAULT_RUN = Path(__file__).with_name("fault_run.py")  # revffn train with a fault injected
+
 BASE = {
     "model": "tiny-qwen2-moe", "method": "revffn", "data": "builtin:quickstart_train",
     "max_steps": 10, "save_steps": 3, "save_total_limit": 2, "logging_steps": 1, "seed": 3,
@@ -25,11 +27,10 @@ def _write(tmp: Path, name: str, **over) -> Path:
 
 
 def _train(cfg: Path, *over, fault: str | None = None) -> subprocess.CompletedProcess:
+    """`revffn train CONFIG over...` in a child process; `fault`: a fault_run.py spec injected into it."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    env.pop("REVFFN_FAULT", None)
-    if fault:
-        env["REVFFN_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "revffn", "train", str(cfg), *over], env=env,
+    launch = [str(FAULT_RUN), fault] if fault else ["-m", "revffn", "train"]
+    return subprocess.run([sys.executable, *launch, str(cfg), *over], env=env,
                           capture_output=True, text=True, timeout=600)
 
 

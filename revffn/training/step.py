@@ -1,0 +1,121 @@
+"""One optimizer step, the same for the training loop, the bench worker and the method tests.
+
+    run = build_run(cfg, device, weights_dtype, autocast_dtype, model_config=...)
+    result = train_step(run, step, micro_batches)
+
+`build_run` builds what a run steps: the method, its prepared model (train mode, on the device) and
+AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer step of `revffn train`:
+
+    stage = method.set_trainable(step)
+    lr    = lr_at(method.schedule_position(step), method.schedule_length(max_steps), ...)
+    for each micro-batch:  forward under autocast
+        loss = loss_sum / n_total  (+ aux_loss_coef * aux_loss / n_micro when the router trains)
+        loss.backward()
+    clip to max_grad_norm (0 disables), AdamW step, zero_grad(set_to_none=True), method.after_step
+
+`n_total` counts the predicted tokens of all micro-batches, so accumulating gives the gradient of
+one big batch. Hooks let the bench measure inside the step without a copy of it: `forward_context`
+wraps each forward (the saved-tensor log), `after_backward` runs before clipping (gradient bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from revffn.methods import Method, method_class
+from revffn.models.loading import load_hf
+from revffn.training.optim import build_optimizer
+from revffn.training.schedule import lr_at
+
+
+@dataclass
+class Run:
+    """What one training run steps."""
+
+    cfg: object  # the validated TrainConfig
+    method: Method
+    hf: nn.Module  # the HF model `method.prepare` was given (its config: the geometry)
+    model: nn.Module  # the prepared model, in train mode, on `device`
+    params: list[nn.Parameter]  # method.optimizer_parameters(model): all the optimizer holds
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager]  # a fresh autocast context per forward (none in fp32)
+
+
+@dataclass
+class StepResult:
+    stage: str  # what method.set_trainable returned
+    lr: float
+    loss_sum: torch.Tensor  # () fp32 on the device: summed token losses of all micro-batches (no host sync)
+    n_tokens: int  # predicted tokens (labels != -100) of all micro-batches
+    grad_norm: torch.Tensor  # total norm before clipping
+    aux_loss: torch.Tensor | None  # the last micro-batch's router aux loss, detached
+
+
+def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.float32,
+              autocast_dtype: torch.dtype | None = None, hf: nn.Module | None = None,
+              model_config: dict | None = None) -> Run:
+    """Seed, build the HF model (unless given), prepare it with the method, build the optimizer.
+
+    Args:
+        hf: the HF model to fine-tune; None loads `cfg.model` as training does (`load_hf`).
+        model_config: HF config overrides for that load (default `cfg.model_config`; the loop adds
+            the tokenizer's vocabulary for tiny presets, see `setup.model_overrides`).
+    """
+    torch.manual_seed(cfg.seed)
+    if hf is None:
+        overrides = cfg.model_config if model_config is None else model_config
+        hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
+    method = method_class(cfg.method)(cfg)
+    model = method.prepare(hf).to(device)
+    model.train()
+    params = method.optimizer_parameters(model)
+    autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \
+        else contextlib.nullcontext
+    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params), device, autocast)
+
+
+def train_step(run: Run, step: int, micro_batches: list[dict],
+               forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+               after_backward: Callable[[], None] | None = None) -> StepResult:
+    """One optimizer step at 0-based `step` over `micro_batches` (dicts of input_ids, attention_mask,
+    labels; CPU tensors in the loop, so counting tokens needs no device sync).
+
+    Args:
+        forward_context: entered around each forward, inside autocast (the bench logs saved tensors).
+        after_backward: called once after the last backward, before clipping (the bench counts grads).
+    """
+    cfg, method, model, optimizer = run.cfg, run.method, run.model, run.optimizer
+    stage = method.set_trainable(model, step, optimizer)
+    lr = lr_at(method.schedule_position(step), method.schedule_length(cfg.max_steps), cfg.learning_rate,
+               cfg.warmup_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
+    loss_sum = torch.zeros((), device=run.device)
+    for mb in micro_batches:
+        mb = {k: v.to(run.device, non_blocking=True) for k, v in mb.items()}
+        with run.autocast(), forward_context():
+            out = model(**mb, return_logits=False)
+        loss = out.loss_sum / max(n_total, 1)
+        if out.aux_loss is not None and out.aux_loss.requires_grad:
+            loss = loss + model.aux_loss_coef * out.aux_loss / len(micro_batches)
+        loss.backward()
+        loss_sum += out.loss_sum.detach().float()
+    if after_backward is not None:
+        after_backward()
+    trainable = [p for p in run.params if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0
+                                               else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    method.after_step(step, model, optimizer)
+    aux = out.aux_loss.detach() if out.aux_loss is not None else None
+    return StepResult(stage, lr, loss_sum, n_total, grad_norm, aux)

@@ -1,0 +1,51 @@
+"""`revffn train` with a fault injected, for the kill -9 / crash tests (run in a child process):
+
+    python tests/training/fault_run.py 'kill@step:7' CONFIG.yaml key=value ...
+    python tests/training/fault_run.py 'kill@save:9,raise@step:5' CONFIG.yaml ...
+
+SPEC is a comma-separated list of ACTION@POINT:STEP. POINT is `step` (after that optimizer step) or
+`save` (in the middle of writing that step's checkpoint). ACTION `kill` sends SIGKILL to this
+process; `raise` raises a RuntimeError once (a restart of the run does not see it again).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+
+
+def parse_fault(spec: str):
+    """The `fault(point, step)` callback of SPEC (see the module docstring)."""
+    items = []
+    for item in filter(None, spec.split(",")):
+        action, where = item.split("@")
+        point, at = where.split(":")
+        if action not in ("kill", "raise") or point not in ("step", "save"):
+            raise ValueError(f"bad fault {item!r}: expected kill|raise @ step|save : N")
+        items.append((item, action, point, int(at)))
+    fired: set[str] = set()
+
+    def fault(point: str, step: int) -> None:
+        for item, action, name, at in items:
+            if name == point and at == step and item not in fired:
+                if action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                fired.add(item)
+                raise RuntimeError(f"injected fault at {point} {step}")
+
+    return fault
+
+
+def main(argv: list[str]) -> int:
+    from revffn import cli
+    from revffn.training import loop
+
+    spec, *train_args = argv
+    loop.run = functools.partial(loop.run, fault=parse_fault(spec))  # what `revffn train` calls
+    return cli.main(["train", *train_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
