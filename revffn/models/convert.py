@@ -122,6 +122,10 @@ class DebugOptions:
     Attributes:
         routing_replay: reuse the forward's router top-k in the reversible backward. False only to
             show what replay prevents (tests).
+        rng_replay: re-run each sub-block that drew random numbers (dropout, router jitter, any op)
+            from its recorded RNG state in the reversible backward. False only as the negative
+            control of the RNG tests: the recomputation then draws fresh noise and the gradients
+            are wrong. The states are recorded either way (`last_stack_stats["rng_bytes"]`).
         track_routing_flips: count the tokens whose top-k on the rebuilt input differs from the
             recorded one; read `model.routing_flips()` after backward.
         stack_scope: a context-manager factory entered around the decoder stack only, e.g. the
@@ -129,6 +133,7 @@ class DebugOptions:
     """
 
     routing_replay: bool = True
+    rng_replay: bool = True
     track_routing_flips: bool = False
     stack_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
@@ -167,8 +172,9 @@ class RevFFNForCausalLM(nn.Module):
         aux_loss_coef: weight of the router load-balancing loss (0 disables it).
         chunk_tokens: rows per chunk of the head + cross-entropy (`models.loss.causal_lm_loss`).
         debug: `DebugOptions` (routing replay, flip counting, a scope around the decoder stack).
-        last_stack_stats: what the last forward's stack reported (record bytes and storages,
-            routing flips once its backward ran with `debug.track_routing_flips`).
+        last_stack_stats: what the last reversible forward's stack reported (routing and RNG record
+            bytes and storages, the sub-blocks that drew random numbers, routing flips once its
+            backward ran with `debug.track_routing_flips`).
     """
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
@@ -196,9 +202,6 @@ class RevFFNForCausalLM(nn.Module):
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap)
             init_adapters(block, adapter_init)
             layers[i] = block
-        self.has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in hf_model.modules()) or any(
-            (getattr(config, k, 0) or 0) > 0 for k in spec.rng_config_keys
-        )
 
     # -- structure ------------------------------------------------------------------------------
     @property
@@ -238,8 +241,7 @@ class RevFFNForCausalLM(nn.Module):
             row_mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float32)
             aux = SwitchAux(self.num_experts, self.top_k, row_mask,
                             differentiable=self.router_trainable() and torch.is_grad_enabled())
-        return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
-                            needs_rng=self.training and self.has_dropout)
+        return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True, probe=None,
@@ -255,6 +257,7 @@ class RevFFNForCausalLM(nn.Module):
         sctx = self._context(embeds, attention_mask, position_ids)
         sctx.probe = probe
         sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
+        sctx.replay_rng = self.debug.rng_replay
         X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
         reversible = self.reversible and self.training and torch.is_grad_enabled()
         with self.debug.stack_scope():

@@ -1,7 +1,8 @@
 """Mixtral: softmax top-k router (always renormalised), `num_local_experts`.
 
-Quirk: `router_jitter_noise > 0` multiplies the router input by uniform noise in training, so the
-RNG must be replayed in the backward recomputation; the spec lists it among the RNG keys.
+Quirk: `router_jitter_noise > 0` multiplies the router input by uniform noise in training. Nothing
+to declare: the reversible stack sees any sub-block that draws random numbers and replays its RNG
+state in backward (`reversible.replay.RNGState`).
 """
 
 from revffn.models.spec import ArchSpec
@@ -9,5 +10,4 @@ from revffn.models.spec import ArchSpec
 SPEC = ArchSpec(
     model_type="mixtral",
     sliding_window_all_layers=True,
-    rng_config_keys=("attention_dropout", "router_jitter_noise"),
 )

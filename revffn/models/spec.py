@@ -35,7 +35,6 @@ class ArchSpec:
     top_k_key: str = "num_experts_per_tok"
     aux_loss: bool = True  # HF trains it with the Switch load-balancing loss on softmax(logits)
     sliding_window_all_layers: bool = False  # config.sliding_window -> sliding mask in every layer
-    rng_config_keys: tuple[str, ...] = ("attention_dropout",)  # > 0 means RNG must be replayed
     notes: str = ""
 
     def num_experts(self, config) -> int:

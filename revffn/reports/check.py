@@ -3,7 +3,8 @@
 Build or load a model, convert it, run forward and backward on one batch twice, reversible and
 plain twin, and compare: rebuilt layer inputs against the cached ones, gradients against the
 plain twin (and, for bf16, both against an fp32 run on the same weights), saved bytes for
-backward, routing flips. Exit code 0 passed, 1 over tolerance, 2 bad input.
+backward (activations, routing records and RNG records apart), routing flips. Exit code 0
+passed, 1 over tolerance, 2 bad input.
 
     revffn check --model tiny-qwen2-moe --layers 4 --json
 """
@@ -41,8 +42,9 @@ def _step(model, ids, mask, labels, reversible: bool, probe_store: dict | None):
             probe_store[i] = (X_1.detach().float().clone(), X_2.detach().float().clone())
     with saved_bytes_of_stack(model) as log:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=False, probe=probe)
-    saved = log.bytes(model.last_stack_stats.get("record_storages", set()))
-    records = model.last_stack_stats.get("record_bytes", 0)
+    stats = model.last_stack_stats
+    saved = log.bytes(stats.get("record_storages", set()))  # routing and RNG records apart
+    records = {"routing": stats.get("record_bytes", 0), "rng": stats.get("rng_bytes", 0)}
     out.loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.item(), grads, saved, records
@@ -86,7 +88,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
     cached, rebuilt = {}, {}
     loss_plain, g_plain, saved_plain, _ = _step(conv, ids, mask, labels, False, cached)
-    loss_rev, g_rev, saved_rev, record_bytes = _step(conv, ids, mask, labels, True, rebuilt)
+    loss_rev, g_rev, saved_rev, records = _step(conv, ids, mask, labels, True, rebuilt)
     flips = conv.routing_flips()
 
     recon = max(max((a - b).abs().max().item() for a, b in zip(cached[i], rebuilt[i])) for i in cached)
@@ -104,7 +106,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "max_reconstruction_error": recon, "max_rel_grad_error": rel,
         "routing_flips": flips,
         "saved_bytes_reversible": saved_rev, "saved_bytes_plain": saved_plain,
-        "routing_record_bytes": record_bytes,
+        "routing_record_bytes": records["routing"], "rng_record_bytes": records["rng"],
     }
     if low:
         ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init)
@@ -127,7 +129,7 @@ def format_report(r: dict) -> str:
              f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}"]
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
             "max_rel_grad_error", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
-            "saved_bytes_plain", "routing_record_bytes"]
+            "saved_bytes_plain", "routing_record_bytes", "rng_record_bytes"]
     for k in keys:
         if k in r:
             v = r[k]

@@ -12,6 +12,10 @@ differentiable.
 Recording is architecture-agnostic: a `TorchFunctionMode` active only inside the router module
 intercepts `torch.topk` (and `Tensor.topk`). Every HF router we support (softmax top-k, sigmoid
 group-limited top-k) selects experts with `topk`, so the same code serves them all.
+
+RNG: a sub-block that draws random numbers (dropout, router jitter, any op) must draw the same
+ones when the backward re-runs it. `RNGState` is read around each sub-block of the reversible
+forward, and the state from before it is kept only where it drew (see its docstring).
 """
 
 from __future__ import annotations
@@ -156,28 +160,62 @@ class _Replay(TorchFunctionMode):
 # -- RNG ---------------------------------------------------------------------------------------
 @dataclass
 class RNGState:
-    """CPU (and, on CUDA, the current device's) RNG state before a sub-block ran."""
+    """The state of the generators one sub-block drew from, taken before it ran.
 
-    cpu: torch.Tensor
+    A field is None when its generator is not recorded: `capture` takes both the CPU generator's
+    state (`cpu`, 5056 bytes of mt19937) and, for a CUDA stream, its device's (`cuda`, 16 bytes:
+    seed and Philox offset); `used_since` keeps only the ones that have moved since. No list of
+    stochastic ops or config keys is involved: dropout, router jitter, a sampling router or any
+    future op draws from these generators, and drawing always moves their state. Reading and
+    comparing a state draws nothing, so watching does not change the random stream.
+
+    Not seen: an op given its own `torch.Generator`, or a generator of another device than the
+    stream's.
+    """
+
+    cpu: torch.Tensor | None
     cuda: torch.Tensor | None
-    device: int | None
+    device: int | None  # the CUDA device index, or None on CPU
 
     @classmethod
     def capture(cls, device: torch.device) -> RNGState:
-        if device.type == "cuda":
-            idx = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(idx), idx)
-        return cls(torch.get_rng_state(), None, None)
+        """The CPU generator's state and, for a CUDA `device`, that device's."""
+        if device.type != "cuda":
+            return cls._now(None)
+        return cls._now(device.index if device.index is not None else torch.cuda.current_device())
+
+    @classmethod
+    def _now(cls, idx: int | None) -> RNGState:
+        return cls(torch.get_rng_state(), None if idx is None else torch.cuda.get_rng_state(idx), idx)
+
+    def used_since(self) -> RNGState | None:
+        """This state (from `capture`) restricted to the generators that have moved since it was
+        taken; None when none has, i.e. no random number was drawn in between."""
+        now = RNGState._now(self.device)
+        cpu = None if torch.equal(self.cpu, now.cpu) else self.cpu
+        cuda = None if self.cuda is None or torch.equal(self.cuda, now.cuda) else self.cuda
+        return None if cpu is None and cuda is None else RNGState(cpu, cuda, self.device)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.cpu] if self.cuda is None else [self.cpu, self.cuda]
+        return [t for t in (self.cpu, self.cuda) if t is not None]
+
+    def slots(self) -> tuple[bool, bool, int | None]:
+        """Which generators are recorded, without the tensors (those go through save_for_backward)."""
+        return self.cpu is not None, self.cuda is not None, self.device
+
+    @classmethod
+    def from_slots(cls, slots: tuple[bool, bool, int | None], tensors: Iterator[torch.Tensor]) -> RNGState:
+        """The inverse of (`slots()`, `tensors()`): takes this state's tensors from `tensors`."""
+        has_cpu, has_cuda, device = slots
+        return cls(next(tensors) if has_cpu else None, next(tensors) if has_cuda else None, device)
 
     @contextlib.contextmanager
     def replay(self):
-        """Run the body with this RNG state, leaving the global RNG untouched afterwards."""
-        devices = [] if self.device is None else [self.device]
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self.cpu)
+        """Run the body with the recorded generators set to this state; on exit every generator is
+        back where it was (`torch.random.fork_rng`), so the global RNG is untouched."""
+        with torch.random.fork_rng(devices=[] if self.cuda is None else [self.device]):
+            if self.cpu is not None:
+                torch.set_rng_state(self.cpu)
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)
             yield
