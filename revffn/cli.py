@@ -102,15 +102,17 @@ def cmd_study(args) -> int:
 
 def cmd_estimate(args) -> int:
     from revffn.memory.estimate import estimate, format_estimate, parse_size
+    from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config, model_kind
     from revffn.training.config import parse_overrides
 
     if args.gpu_mem is not None:
         parse_size(args.gpu_mem)
+    method = method_class(args.method, key="--method")
     model_kind(args.model, "--model")
     options = parse_overrides(args.option)
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
-    est = estimate(config, args.method, args.batch, args.seq, args.dtype, **options)
+    est = estimate(config, method, args.batch, args.seq, args.dtype, **options)
     if args.json:
         if args.gpu_mem is not None:
             est["gpu_mem"], est["fits"] = args.gpu_mem, est["total"] <= parse_size(args.gpu_mem)
