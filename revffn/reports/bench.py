@@ -141,10 +141,11 @@ def _progress(i: int, n: int, label: str, row: dict) -> None:
     print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
 
 
-def measure(spec: BenchSpec, method: str, runner: Runner = run_worker) -> dict:
-    """One result row: the worker's measurement, its static bytes, and the estimate."""
+def measure(spec: BenchSpec, method: str, runner: Runner | None = None) -> dict:
+    """One result row: the worker's measurement (`runner`, default `run_worker`), its static bytes, and
+    the estimate."""
     args = worker_args(spec, method)
-    row = runner(args, spec.timeout)
+    row = (runner or run_worker)(args, spec.timeout)
     if row.get("status") == "ok":
         row["static_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
     row.update(estimate_fields(args))
@@ -207,8 +208,9 @@ def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
             "cuda": torch.version.cuda if spec.device == "cuda" else None, "loadavg_end": _loadavg()}
 
 
-def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner = run_worker) -> dict:
-    """Every method of `spec`, one fresh process each (`runner`: how one is measured); the bench.json document."""
+def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | None = None) -> dict:
+    """Every method of `spec`, one fresh process each (`runner`: how one is measured, default
+    `run_worker`); the bench.json document."""
     info = run_info(spec, argv)
     rows = []
     for i, m in enumerate(spec.methods, 1):
@@ -233,7 +235,7 @@ def parse_sweep(text: str) -> tuple[str, list[int]]:
 
 
 def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | None = None,
-              runner: Runner = run_worker) -> dict:
+              runner: Runner | None = None) -> dict:
     """Every method at every value of `var` (fresh process each); the sweep.json document."""
     info = run_info(spec, argv, sweep={"variable": var, "values": values})
     rows, n, i = [], len(values) * len(spec.methods), 0

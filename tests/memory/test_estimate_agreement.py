@@ -33,10 +33,10 @@ def _errors(name, layers, hidden, batch, seq, dtype, method) -> tuple[float, flo
     return est["est_static_bytes"] / static - 1, est["est_activation_bytes"] / row["activation_bytes"] - 1
 
 
-def check_agreement(method: str) -> None:
+def check_agreement(method: str, cases: list[tuple] = CASES) -> None:
     """Every case within TOL for `method` (also used for a method registered by a test)."""
     bad, worst = [], (0.0, "(exact)")
-    for case in CASES:
+    for case in cases:
         err_static, err_act = _errors(*case, method)
         print(f"{case[0]:16s} {case[5]:9s} {method:7s} static {err_static:+.2%}  activations {err_act:+.2%}")
         for what, err in (("static", err_static), ("activations", err_act)):
