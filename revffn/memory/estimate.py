@@ -249,9 +249,9 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     if unknown:
         raise UserError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}. Allowed: "
                         f"{', '.join(sorted(keys))}.")
-    problems = [p for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
+    problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
     if problems:
-        raise UserError(" ".join(problems) + f" Fix: see the options of method {method.name!r}.")
+        raise UserError(" ".join(problems))
     return {k: given.get(k, key.default) for k, key in keys.items()}
 
 
