@@ -60,7 +60,9 @@ def cmd_bench(args) -> int:
         return 0
     if not args.out:
         raise UserError("--out DIR is required (where bench.json, bench.md and bench.png go).")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    from revffn.methods import METHODS
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
     spec = resolve(BenchSpec(args.model, methods, args.layers, args.hidden, args.batch, args.seq, args.steps,
                              args.dtype, args.device, args.seed, args.threads, list(args.set), args.timeout))
     if args.sweep:
@@ -90,7 +92,7 @@ def cmd_study(args) -> int:
             raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
                             "delete it first.")
         methods = tuple(args.methods.split(",")) if args.methods else None
-        data = run_study(plan_for(args.quick, methods=methods, jobs=args.jobs), out, args.argv)
+        data = run_study(plan_for(args.quick, methods=methods, jobs=args.jobs, threads=args.threads), out, args.argv)
         written = write_study(data, out, docs)
         failed = [r["name"] for r in data["runs"] if r["status"] != "ok"]
         if failed:
@@ -130,15 +132,17 @@ def cmd_archs(args) -> int:
 
 def cmd_estimate(args) -> int:
     from revffn.memory.estimate import estimate, format_estimate, parse_size
+    from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config, model_kind
     from revffn.training.config import parse_overrides
 
     if args.gpu_mem is not None:
         parse_size(args.gpu_mem)
+    method = method_class(args.method, key="--method")
     model_kind(args.model, "--model")
     options = parse_overrides(args.option)
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
-    est = estimate(config, args.method, args.batch, args.seq, args.dtype, **options)
+    est = estimate(config, method, args.batch, args.seq, args.dtype, **options)
     if args.json:
         if args.gpu_mem is not None:
             est["gpu_mem"], est["fits"] = args.gpu_mem, est["total"] <= parse_size(args.gpu_mem)
@@ -238,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="peak memory, saved activations and tokens/s per method (fresh process each)")
     b.add_argument("--model", default="tiny-qwen2-moe", help="tiny preset, config-only preset or local HF directory")
-    b.add_argument("--methods", default="full,ckpt,revffn,lora,dora,hift,refta", help="comma-separated methods")
+    b.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method)")
     b.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
     b.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
     b.add_argument("--batch", type=_positive, default=4)
@@ -284,10 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output directory (study.json, study.md, plots, runs/)")
     q.add_argument("--quick", action="store_true", help="tiny smoke version (< 1 min): 2 steps, one task, one seed")
     q.add_argument("--docs", default=None, metavar="PATH", help="also write the report to PATH (e.g. docs/study.md)")
-    q.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all six)")
+    q.add_argument("--methods", default=None, help="comma-separated subset of the study's methods (default: every "
+                   "registered method with a declared LR grid)")
     q.add_argument("--render", action="store_true", help="only re-render --out's study.md/plots from its study.json")
-    q.add_argument("--jobs", type=_positive, default=None, help="runs at once, each a fresh process (default 1; "
-                   "set REVFFN_STUDY_THREADS so jobs x threads fits the cores)")
+    q.add_argument("--jobs", type=_positive, default=None, help="runs at once, each a fresh process (default 1)")
+    q.add_argument("--threads", type=_positive, default=None, help="torch threads per run (default: cores / jobs "
+                   "when --jobs > 1, else torch's)")
     q.set_defaults(fn=cmd_study)
 
     t = sub.add_parser("train", help="fine-tune a model from a YAML config (no config: the quickstart)")

@@ -12,37 +12,44 @@ Needs only an HF config (never weights). Bytes, per training step:
 - ``logits``: one chunk of the chunked cross-entropy (`revffn.models.loss`), logits and their grad.
 - ``overhead``: a fixed 5% of the rest.
 
+The shared parts live here: the model geometry (`Dims`), parameter counts, the bytes each layer saves
+when everything trains (`MemoryContext`), and the static / logits / overhead arithmetic. Each method's
+own part (what trains, what its forward keeps) is its class's `memory_terms` (`revffn.methods`), with
+its options in `ESTIMATE_OPTIONS`; `estimate` takes the class, since this package sits below the
+methods and never imports them (resolve a name with `revffn.methods.method_class`).
+
 Per-layer saved tensors (`revffn.memory.saved`) follow transformers 5.x modules as they run (RMSNorm
 in fp32, SDPA, grouped_mm experts) and depend on what needs a gradient: frozen weights keep less
 (lora, dora, refta, hift), peft's parameter adapters keep the materialised W + BA of every expert.
-Checked against what `revffn bench` measures, for every method on the tiny presets, fp32 and bf16
-(`tests/memory/test_estimate_agreement.py`: within 0.2%).
+Checked against what `revffn bench` measures, for every registered method on the tiny presets, fp32
+and bf16 (`tests/memory/test_estimate_agreement.py`).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from revffn.errors import UserError, closest
-from revffn.memory.saved import Grad, aux_saved, hift_saved, layer_saved, outside_saved
-from revffn.reversible.replay import compact_index_dtype
+from revffn.errors import UserError
+from revffn.memory.saved import Grad, aux_saved, layer_saved, outside_saved
+from revffn.schema import Key, check_value
 
-METHODS = ("full", "ckpt", "revffn", "lora", "dora", "hift", "refta")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 OVERHEAD = 0.05
 CHUNK_TOKENS = 1024
-_COMMON_OPTS = {"padded", "attn_implementation"}
-_METHOD_OPTS = {
-    "full": set(), "ckpt": set(), "hift": {"group_size"}, "refta": {"rank"},
-    "revffn": {"freeze_router", "stage", "stream_dtype"}, "lora": {"rank"}, "dora": {"rank"},
+COMMON_OPTIONS = {  # every method's estimator options (a method adds its own in ESTIMATE_OPTIONS)
+    "padded": Key(bool, True, "an attention mask is given (as the training loop does): k/v repeated to all heads"),
+    "attn_implementation": Key((str, type(None)), None, "sdpa | eager (null: the config's)"),
 }
 
 
 @dataclass(frozen=True)
-class _Dims:
+class Dims:
+    """The model geometry the estimate needs, read from an HF config (`dims`)."""
+
     model_type: str
     d: int
     layers: int
@@ -80,7 +87,7 @@ def _peft_rewrites(model_type: str) -> bool:
     return model_type in _MODEL_TO_CONVERSION_PATTERN or model_type == "mixtral"
 
 
-def _dims(config) -> _Dims:
+def dims(config) -> Dims:
     c, mt = config, config.model_type
     d, L, H = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
     E = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -98,7 +105,7 @@ def _dims(config) -> _Dims:
     rope = getattr(c, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0
     hd = getattr(c, "head_dim", None) or d // H
-    return _Dims(
+    return Dims(
         model_type=mt, d=d, layers=L, heads=H, kv=getattr(c, "num_key_value_heads", None) or H,
         hd=hd, vocab=c.vocab_size,
         tied=bool(getattr(c, "tie_word_embeddings", False)), experts=E,
@@ -117,17 +124,18 @@ def _dims(config) -> _Dims:
 
 
 # -- parameters ---------------------------------------------------------------------------------
-def _attn_params(m: _Dims) -> int:
+def _attn_params(m: Dims) -> int:
     q, kv = m.heads * m.hd, m.kv * m.hd
     return 2 * m.d * q + 2 * m.d * kv + (q + 2 * kv) * m.bias_qkv + m.d * m.bias_o
 
 
-def _norm_params(m: _Dims) -> int:
+def _norm_params(m: Dims) -> int:
     qk = {"head": 2 * m.hd, "full": (m.heads + m.kv) * m.hd}.get(m.qk_norm, 0)
     return 2 * m.d + qk
 
 
-def _layer_parts(m: _Dims, i: int) -> dict[str, int]:
+def layer_params(m: Dims, i: int) -> dict[str, int]:
+    """Layer i's parameter counts by part (``adapters_revffn``: the 4 d/2 x d adapters RevFFN adds)."""
     parts = {"attention": _attn_params(m), "norms": _norm_params(m), "router": 0, "experts": 0,
              "shared_expert": 0, "dense_mlp": 0, "adapters_revffn": 2 * m.d * m.d}  # 4 x (d/2 x d)
     if m.moe[i]:
@@ -142,154 +150,152 @@ def _layer_parts(m: _Dims, i: int) -> dict[str, int]:
 def count_params(config) -> dict[str, int]:
     """Parameter counts by part, from the config. ``total`` is the base model (without
     ``adapters_revffn``, the 4 d/2 x d adapters per layer that RevFFN adds)."""
-    m = _dims(config)
+    m = dims(config)
     out = {"embed": m.vocab * m.d, "head": 0 if m.tied else m.vocab * m.d}
     for i in range(m.layers):
-        for k, v in _layer_parts(m, i).items():
+        for k, v in layer_params(m, i).items():
             out[k] = out.get(k, 0) + v
     out["norms"] += m.d  # final norm
     out["total"] = sum(v for k, v in out.items() if k != "adapters_revffn")
     return out
 
 
-# -- adapter targets ------------------------------------------------------------------------------
-def _lora_targets(m: _Dims, i: int, dora: bool) -> list[tuple[int, int, int]]:
-    """Layer i's matrices that peft adapts by default: (fan_in, fan_out, copies). DoRA adapts only
-    Linear modules (not the fused experts, nor MLP Linears that peft retargets to their weights)."""
-    q, kv = m.heads * m.hd, m.kv * m.hd
-    mats = [(m.d, q, 1), (m.d, kv, 1), (m.d, kv, 1), (q, m.d, 1)]
-    inter = m.dense_inter if not m.moe[i] else m.shared_inter
-    if inter and not (dora and m.peft_rewrites):
-        mats += [(m.d, inter, 1)] * 2 + [(inter, m.d, 1)]
-    if m.moe[i] and not dora:
-        mats += [(m.d, 2 * m.moe_inter, m.experts), (m.moe_inter, m.d, m.experts)]
-    return mats
+# -- what a method's terms are computed from, and what they are -----------------------------------
+@dataclass(frozen=True)
+class MemoryContext:
+    """The shared parts of one estimate, computed once by `estimate` and handed to the method's
+    `memory_terms`. Sizes are bytes; ``s`` is bytes per weight (the training dtype)."""
+
+    m: Dims
+    B: int  # batch
+    T: int  # sequence length
+    s: int
+    padded: bool  # an attention mask is given
+    impl: str  # attention implementation: sdpa | eager
+    counts: dict[str, int]  # `count_params`
+    layers: tuple[int, ...]  # what each decoder layer saves for backward when everything trains
+    outside: int  # what the embedding, RoPE, final norm and loss save when everything trains
+    aux: int  # the load-balancing loss's saved tensors, every router trainable
+
+    @property
+    def N(self) -> int:  # tokens per step
+        return self.B * self.T
+
+    @property
+    def mask_bytes(self) -> int:
+        """The (B, T, T) bool mask every layer shares, when padded."""
+        return self.B * self.T * self.T if self.padded else 0
+
+    @property
+    def full_activations(self) -> int:
+        """The forward's saved bytes of full fine-tuning: every layer, outside and the aux loss."""
+        return self.outside + sum(self.layers) + self.aux
+
+    def adapted_activations(self, g: Grad) -> int:
+        """The forward's saved bytes with the base frozen and adapters `g` in every layer: what the
+        input gradients need (not in the first layer: the embedding's output needs none) plus the
+        adapters' own tensors."""
+        m = self.m
+        return outside_saved(m, self.B, self.T, self.s, embed=False, final_w=False) + sum(
+            layer_saved(m, i, self.B, self.T, self.s, self.padded, self.impl, replace(g, inp=i > 0))
+            for i in range(m.layers))
 
 
-def _lora_trainable(m: _Dims, rank: int, dora: bool) -> int:
-    return sum(copies * (rank * (fan_in + fan_out) + (fan_out if dora else 0))
-               for i in range(m.layers) for fan_in, fan_out, copies in _lora_targets(m, i, dora))
+@dataclass(frozen=True)
+class MemoryTerms:
+    """A method's part of the estimate (`Method.memory_terms`): what trains and what its forward keeps."""
+
+    trainable: int  # params with grads and optimizer states (the peak over the method's steps)
+    activations_forward: int  # bytes the forward saves for backward (routing records included)
+    extra_params: int = 0  # params the method adds to the base model (adapters)
+    recompute_working_set: int = 0  # one layer's saved tensors while backward recomputes it
+    routing_records: int = 0  # part of activations_forward, also reported
+    trainable_bytes: int | None = None  # bytes per trainable param (weight, grad, state); None: ``s``
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-# -- trainable parameters of the other methods --------------------------------------------------
-def _refta_trainable(m: _Dims, rank: int) -> int:
-    q, kv = m.heads * m.hd, m.kv * m.hd
-    mats = [(m.d, q), (m.d, kv), (m.d, kv), (q, m.d)]
-    shared_a = sum(rank * fan_in for fan_in, _ in set(mats))  # one A per distinct (in, out) shape
-    return shared_a + m.layers * sum(fan_out * rank + rank * rank for _, fan_out in mats)
+class MemoryMethod(Protocol):
+    """What `estimate` needs of a method class (`revffn.methods.base.Method` has it)."""
+
+    name: str
+    ESTIMATE_OPTIONS: dict[str, Key]
+
+    def memory_terms(self, ctx: MemoryContext, **options) -> MemoryTerms: ...
 
 
-def _hift_groups(m: _Dims, counts: dict[str, int], group_size: int) -> list[int]:
-    units = [counts["embed"]]
-    units += [sum(v for k, v in _layer_parts(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
-    units.append(counts["head"] + m.d)  # final norm + head (its weight is the embedding's when tied)
-    return [sum(units[j : j + group_size]) for j in range(0, len(units), group_size)]
-
-
-# -- the estimate ---------------------------------------------------------------------------------
-def _dtype_bytes(dtype: str, what: str = "dtype") -> int:
+def dtype_bytes(dtype: str, what: str = "dtype") -> int:
     key = str(dtype).removeprefix("torch.").lower()
     if key not in DTYPE_BYTES:
         raise UserError(f"unknown {what} {dtype!r}. Fix: use one of {', '.join(DTYPE_BYTES)}.")
     return DTYPE_BYTES[key]
 
 
-def estimate(config, method: str, batch: int, seq: int, dtype: str = "float32", optimizer: str = "adamw",
-             **method_options) -> dict:
+def context(config, batch: int, seq: int, s: int, padded: bool = True, impl: str | None = None) -> MemoryContext:
+    """The shared parts of an estimate of `config` (everything trainable)."""
+    m = dims(config)
+    impl = impl or m.attn_impl
+    return MemoryContext(
+        m=m, B=batch, T=seq, s=s, padded=padded, impl=impl, counts=count_params(config),
+        layers=tuple(layer_saved(m, i, batch, seq, s, padded, impl) for i in range(m.layers)),
+        outside=outside_saved(m, batch, seq, s),
+        aux=aux_saved(m, batch * seq, sum(m.moe)),  # the unconverted model's load-balancing loss
+    )
+
+
+def _options(method: MemoryMethod, given: dict) -> dict:
+    """`given` checked against the common and the method's options, defaults filled in."""
+    keys = {**COMMON_OPTIONS, **method.ESTIMATE_OPTIONS}
+    unknown = sorted(set(given) - set(keys))
+    if unknown:
+        raise UserError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}. Allowed: "
+                        f"{', '.join(sorted(keys))}.")
+    problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
+    if problems:
+        raise UserError(" ".join(problems))
+    return {k: given.get(k, key.default) for k, key in keys.items()}
+
+
+# -- the estimate ---------------------------------------------------------------------------------
+def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "float32", optimizer: str = "adamw",
+             **options) -> dict:
     """Estimated bytes of one training step of `method` on `config` (see the module docstring).
 
-    Options: ``padded`` (True: an attention mask is passed, as the training loop does),
-    ``attn_implementation`` (``sdpa`` | ``eager``; default the config's); revffn: ``freeze_router``
-    (True), ``stage`` (2: all but the router; 1: adapters only), ``stream_dtype`` (``float32``);
-    lora/dora/refta: ``rank`` (16); hift: ``group_size`` (1).
+    Args:
+        method: the method's class (`revffn.methods.method_class(name)`).
+        options: ``padded`` (True: an attention mask is passed, as the training loop does),
+            ``attn_implementation`` (``sdpa`` | ``eager``; default the config's), and the method's
+            ``ESTIMATE_OPTIONS`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``; lora, dora,
+            refta: ``rank``; hift: ``group_size``).
+
+    Raises:
+        UserError: an unknown option, optimizer or dtype, or a bad batch or sequence length.
     """
-    if method not in METHODS:
-        raise UserError(f"unknown method {method!r}.{closest(method, METHODS)} Fix: use one of {', '.join(METHODS)}.")
-    unknown = set(method_options) - _COMMON_OPTS - _METHOD_OPTS[method]
-    if unknown:
-        raise UserError(f"unknown option(s) {', '.join(sorted(unknown))} for method {method!r}. Allowed: "
-                        f"{', '.join(sorted(_COMMON_OPTS | _METHOD_OPTS[method]))}.")
+    if not hasattr(method, "memory_terms"):
+        raise TypeError(f"estimate: method must be a method class, got {method!r}; resolve a name with "
+                        "revffn.methods.method_class.")
+    opts = _options(method, options)
     if optimizer not in OPTIMIZER_STATES:
         raise UserError(f"unknown optimizer {optimizer!r}. Fix: use one of {', '.join(OPTIMIZER_STATES)}.")
     if batch < 1 or seq < 2:
         raise UserError(f"batch={batch}, seq={seq}: need batch >= 1 and seq >= 2.")
-    for key in ("rank", "group_size", "stage"):
-        value = method_options.get(key, 1)
-        if not isinstance(value, int) or value < 1 or (key == "stage" and value > 2):
-            raise UserError(f"option {key}={value!r}: need a positive integer{' (1 or 2)' if key == 'stage' else ''}.")
-    m, s, opts = _dims(config), _dtype_bytes(dtype), dict(method_options)
-    B, T, N = batch, seq, batch * seq
-    padded, impl = bool(opts.get("padded", True)), opts.get("attn_implementation", m.attn_impl)
-    counts = count_params(config)
-    base = total_params = trainable = counts["total"]
-    layers = [layer_saved(m, i, B, T, s, padded, impl) for i in range(m.layers)]
-    outside = outside_saved(m, B, T, s)
-    aux_all = aux_saved(m, N, sum(m.moe))  # the unconverted model's load-balancing loss, router trainable
-    act_fwd, working, records, adapter_bytes = outside + sum(layers) + aux_all, 0, 0, 0
-    notes = [f"attention: {impl}" + (" (no T x T probabilities kept)" if impl != "eager" else
-                                     " (B x heads x T x T probabilities kept in fp32)")
-             + (", padded batches: mask given, k/v repeated to all heads" if padded else ", no attention mask")]
-    mask_bool = B * T * T if padded else 0
-    if method == "ckpt":
-        # layer inputs and the mask are the checkpoints' inputs; RoPE cos/sin ride in a tuple (not kept)
-        act_fwd = outside - 2 * T * m.rope_dim * s + m.layers * N * m.d * s + mask_bool + aux_all
-        working = max(layers)
-        notes.append("ckpt: one (B, T, d) boundary state per layer kept; one layer's saved tensors while "
-                     "its backward recomputes it")
-    elif method == "revffn":
-        stream = _dtype_bytes(opts.get("stream_dtype", "float32"), "stream_dtype")
-        idx = compact_index_dtype(max(m.experts, 2)).itemsize
-        records = sum(m.moe) * N * m.top_k * idx
-        act_fwd = outside + mask_bool + 2 * N * (m.d // 2) * stream + records
-        adapters = counts["adapters_revffn"]
-        total_params = base + adapters
-        freeze = opts.get("freeze_router", True)
-        trainable = adapters if opts.get("stage", 2) == 1 else total_params - (counts["router"] if freeze else 0)
-        aux = 0 if freeze else N * m.experts * 4  # load-balancing surrogate on the trainable router
-        extra = N * m.d * s + 2 * N * m.d * s  # P_up inputs (two d/2 halves), P_down inputs (two d-wide)
-        working = max(layers[i] + extra + aux * m.moe[i] for i in range(m.layers))
-        notes.append(f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
-                     f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward")
-        notes.append(f"revffn: {adapters} adapter params; " + ("stage 1: adapters only trainable"
-                     if opts.get("stage", 2) == 1 else "router frozen" if freeze else "router trainable"))
-    elif method in ("lora", "dora", "refta"):
-        rank = opts.get("rank", 16)
-        trainable = _refta_trainable(m, rank) if method == "refta" else _lora_trainable(m, rank, method == "dora")
-        total_params = base + trainable
-        cast = method != "refta" and s != 4  # peft keeps adapters in fp32 on a bf16 model
-        adapter_bytes = 4 if cast else s
-        g = Grad(w=False, router=False, adapter=method, rank=rank, rewritten=m.peft_rewrites, cast=cast)
-        act_fwd = outside_saved(m, B, T, s, embed=False, final_w=False) + sum(
-            layer_saved(m, i, B, T, s, padded, impl, replace(g, inp=i > 0)) for i in range(m.layers))
-        if method == "refta":
-            notes.append(f"refta: rank {rank}; shared A per input width, per-layer B and core on q/k/v/o; "
-                         "activations: the frozen model's (what input gradients need) + 2 (rows x rank) per "
-                         "projection")
-        else:
-            notes.append(f"{method}: rank {rank} on q/k/v/o, shared-expert and dense MLP projections"
-                         + (", every expert's gate_up and down (W + BA materialised per forward and kept)"
-                            if method == "lora" else " (not the fused experts: peft's ParamWrapper refuses DoRA)")
-                         + "; activations: the frozen model's (what input gradients need) + the adapters'")
-        if method == "dora":
-            notes.append("dora: + magnitude vectors; activations also keep the base and LoRA outputs per "
-                         "targeted matrix and its weight-norm path (an in x in identity through A)")
-    elif method == "hift":
-        size = opts.get("group_size", 1)
-        groups = _hift_groups(m, counts, size)
-        trainable = max(groups)
-        act_fwd = hift_saved(m, B, T, s, padded, impl, size)
-        notes.append(f"hift: {len(groups)} groups of {size} unit(s) (embedding, each layer, norm+head); grads "
-                     "and optimizer states for the largest group only (all params are trained in turn); "
-                     "activations: the largest over groups (the active group's, plus what input gradients need "
-                     "in the frozen layers above it)")
-    weights = (total_params - trainable) * s + trainable * adapter_bytes if adapter_bytes else total_params * s
-    a = adapter_bytes or s
+    s = dtype_bytes(dtype)
+    ctx = context(config, batch, seq, s, opts.pop("padded"), opts.pop("attn_implementation"))
+    terms = method.memory_terms(ctx, **opts)
+    B, T, m = ctx.B, ctx.T, ctx.m
+    notes = [f"attention: {ctx.impl}" + (" (no T x T probabilities kept)" if ctx.impl != "eager" else
+                                         " (B x heads x T x T probabilities kept in fp32)")
+             + (", padded batches: mask given, k/v repeated to all heads" if ctx.padded else ", no attention mask"),
+             *terms.notes]
+    total_params, trainable = ctx.counts["total"] + terms.extra_params, terms.trainable
+    a = terms.trainable_bytes or s
+    weights = (total_params - trainable) * s + trainable * a
     grads = trainable * a
     states = trainable * OPTIMIZER_STATES[optimizer] * a  # torch AdamW keeps its states in the param dtype
     if s != 4:
         notes.append(f"{dtype}: {s}-byte weights, grads and optimizer states ({optimizer}, states like the params)")
     logits = min(B * (T - 1), CHUNK_TOKENS) * m.vocab * 4 * 2
     notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
+    act_fwd, working = terms.activations_forward, terms.recompute_working_set
     activations = act_fwd + working
     rest = weights + grads + states + activations + logits
     overhead = int(round(OVERHEAD * rest))
@@ -297,12 +303,11 @@ def estimate(config, method: str, batch: int, seq: int, dtype: str = "float32", 
     return {
         "weights": weights, "grads": grads, "optimizer_states": states, "activations": activations,
         "logits": logits, "overhead": overhead, "total": rest + overhead,
-        "activations_forward": act_fwd, "recompute_working_set": working, "routing_records": records,
+        "activations_forward": act_fwd, "recompute_working_set": working, "routing_records": terms.routing_records,
         "trainable_params": trainable, "total_params": total_params, "notes": notes,
-        "method": method, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
+        "method": method.name, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
         "optimizer": optimizer, "batch": B, "seq": T,
     }
-
 
 # -- sizes and formatting -----------------------------------------------------------------------
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,

@@ -8,7 +8,7 @@ below follow transformers 5.x modules as they run (RMSNorm in fp32, SDPA, groupe
 peft 0.21 / revffn adapters, and are checked against `SavedTensorLog` on the tiny presets
 (`tests/memory/test_estimate_agreement.py`).
 
-`m` is the estimator's `_Dims` (model geometry); sizes are bytes, `s` the weights' dtype bytes.
+`m` is the estimator's `Dims` (model geometry); sizes are bytes, `s` the weights' dtype bytes.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-for _cls in (RevFFNMethod, FullMethod, CkptMethod, LoRAMethod, DoRAMethod, HiFTMethod, ReFTAMethod):
+# The order of every method list (bench and study tables): the reference (full) first.
+for _cls in (FullMethod, CkptMethod, RevFFNMethod, LoRAMethod, DoRAMethod, HiFTMethod, ReFTAMethod):
     register(_cls)
 
 

@@ -4,6 +4,10 @@ A method is one small file: a `Method` subclass that owns everything about itsel
 schema, the model it trains, the trainable set of each step, its export) and one line in the
 registry (`revffn.methods.METHODS`). The loop, the bench, the study and the estimator only call the
 methods below; nothing elsewhere branches on a method's name.
+
+Three groups of hooks: training (an instance, built from the run's config), the memory estimate
+(`ESTIMATE_OPTIONS`, `estimate_options`, `memory_terms`: class-level, a config is never needed) and
+the quality study (`STUDY_LR_GRID`, `STUDY_OPTIONS`, `STUDY_GAP_VARIANTS`, `study_options`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.schema import Key
 
 
@@ -24,6 +29,15 @@ class Method:
 
     name: ClassVar[str]
     SCHEMA: ClassVar[dict[str, Key]] = {}  # option name -> Key, under the YAML section `name:`
+    # memory estimate: option name -> Key (beyond `revffn.memory.estimate.COMMON_OPTIONS`)
+    ESTIMATE_OPTIONS: ClassVar[dict[str, Key]] = {}
+    # quality study: the declared LR grid (None: not in the study), the YAML section of its runs, and
+    # label -> options replacing STUDY_OPTIONS for the conversion-gap runs (non-empty: the method changes
+    # the model before training, so the study measures the retention gap at init, after the stage
+    # boundary and after the schedule)
+    STUDY_LR_GRID: ClassVar[tuple[float, ...] | None] = None
+    STUDY_OPTIONS: ClassVar[dict] = {}
+    STUDY_GAP_VARIANTS: ClassVar[dict[str, dict]] = {}
 
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)
@@ -74,8 +88,28 @@ class Method:
         """Restore `state_dict()` on resume."""
 
     def steady_state_step(self) -> int:
-        """The first step of the method's steady state: the bench measures from there (RevFFN: stage 2)."""
+        """The first step of the method's steady state: the bench measures from there, the study
+        evaluates retention at that boundary (RevFFN: stage 2)."""
         return 0
+
+    # -- memory estimate (class-level: needs no config) ---------------------------------------------
+    @classmethod
+    def estimate_options(cls, section: dict) -> dict:
+        """The estimator options (`ESTIMATE_OPTIONS`) of a training config's method section."""
+        return {}
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext, **options) -> MemoryTerms:
+        """This method's part of `revffn.memory.estimate.estimate` (`options`: its ESTIMATE_OPTIONS,
+        defaults filled in). Default: full fine-tuning, every parameter trains and every layer keeps
+        what its backward needs."""
+        return MemoryTerms(trainable=ctx.counts["total"], activations_forward=ctx.full_activations)
+
+    # -- quality study -----------------------------------------------------------------------------
+    @classmethod
+    def study_options(cls, steps: int, **variant) -> dict:
+        """The YAML section of a study run of `steps` optimizer steps: STUDY_OPTIONS, `variant` on top."""
+        return {**cls.STUDY_OPTIONS, **variant}
 
 
 def set_requires_grad(model: nn.Module, trainable: set[int]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
+from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.methods.base import Method, export_hf, non_router_parameters, set_requires_grad
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
@@ -22,6 +23,7 @@ from revffn.schema import Key
 class CkptMethod(Method):
     name = "ckpt"
     SCHEMA = {"freeze_router": Key(bool, False, "keep the MoE routers frozen")}
+    # not in the study: same gradients as `full`
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         # transformers >= 5.2x renamed gradient_checkpointing_enable (now a deprecated alias, same effect)
@@ -42,3 +44,15 @@ class CkptMethod(Method):
     def export(self, model, out_dir: Path) -> None:
         """A plain HF `save_pretrained` directory (safetensors), loadable by HF and `revffn.load`."""
         export_hf(model, out_dir, method=self.name)
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext) -> MemoryTerms:
+        """Full fine-tuning's trainables; each layer keeps only its (B, T, d) input, the mask and the
+        aux loss's tensors stay, and one layer's saved tensors come back while its backward recomputes it."""
+        m, s = ctx.m, ctx.s
+        # layer inputs and the mask are the checkpoints' inputs; RoPE cos/sin ride in a tuple (not kept)
+        act_fwd = ctx.outside - 2 * ctx.T * m.rope_dim * s + m.layers * ctx.N * m.d * s + ctx.mask_bytes + ctx.aux
+        return MemoryTerms(trainable=ctx.counts["total"], activations_forward=act_fwd,
+                           recompute_working_set=max(ctx.layers),
+                           notes=("ckpt: one (B, T, d) boundary state per layer kept; one layer's saved tensors "
+                                  "while its backward recomputes it",))

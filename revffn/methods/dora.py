@@ -21,4 +21,5 @@ from revffn.methods.peft_common import PeftMethod, peft_schema
 class DoRAMethod(PeftMethod):
     name = "dora"
     SCHEMA = peft_schema()
+    STUDY_LR_GRID = (1e-3, 3e-3)  # adapters: ~10x full's
     use_dora = True

@@ -38,6 +38,8 @@ import torch
 from torch import nn
 
 from revffn.errors import UserError
+from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms, layer_params
+from revffn.memory.saved import hift_saved
 from revffn.methods.base import Method, export_hf, set_requires_grad
 from revffn.models.causal_lm import CausalLM
 from revffn.models.spec import get_path
@@ -55,6 +57,8 @@ class HiFTMethod(Method):
         "group_size": Key(int, 1, "units (embedding, each layer, norm+head) trained together: larger = fewer, "
                                   "bigger groups, more device memory per step", min=1),
     }
+    ESTIMATE_OPTIONS = {"group_size": Key(int, 1, "units trained together (as hift.group_size)", min=1)}
+    STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -169,3 +173,27 @@ class HiFTMethod(Method):
         """A plain HF `save_pretrained` directory, loadable by HF and `revffn.load`."""
         export_hf(model, out_dir, method=self.name, strategy=self.strategy, group_size=self.opts["group_size"],
                   num_groups=self.num_groups)
+
+    # -- memory estimate ---------------------------------------------------------------------------
+    @classmethod
+    def estimate_options(cls, section: dict) -> dict:
+        return {"group_size": section["group_size"]}
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext, group_size: int) -> MemoryTerms:
+        """Grads and states for the largest group only; activations the largest over the groups."""
+        groups = group_params(ctx.m, ctx.counts, group_size)
+        note = (f"hift: {len(groups)} groups of {group_size} unit(s) (embedding, each layer, norm+head); grads "
+                "and optimizer states for the largest group only (all params are trained in turn); "
+                "activations: the largest over groups (the active group's, plus what input gradients need "
+                "in the frozen layers above it)")
+        return MemoryTerms(trainable=max(groups), activations_forward=hift_saved(
+            ctx.m, ctx.B, ctx.T, ctx.s, ctx.padded, ctx.impl, group_size), notes=(note,))
+
+
+def group_params(m: Dims, counts: dict[str, int], group_size: int) -> list[int]:
+    """Parameters per group of `group_size` units (embedding, each layer, final norm + head)."""
+    units = [counts["embed"]]
+    units += [sum(v for k, v in layer_params(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
+    units.append(counts["head"] + m.d)  # final norm + head (its weight is the embedding's when tied)
+    return [sum(units[j : j + group_size]) for j in range(0, len(units), group_size)]

@@ -31,6 +31,8 @@ from pathlib import Path
 from torch import nn
 
 from revffn.errors import UserError
+from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
+from revffn.memory.saved import Grad
 from revffn.methods.base import Method, set_requires_grad, write_manifest
 from revffn.models.architectures import spec_for
 from revffn.models.causal_lm import CausalLM
@@ -136,10 +138,11 @@ def v4_rewrites(config, hf: nn.Module) -> set[str]:
 
 
 class PeftMethod(Method):
-    """The LoRA family's shared base (not registered itself): `lora` and `dora` set `name`, `SCHEMA`
-    and `use_dora`; neither subclasses the other."""
+    """The LoRA family's shared base (not registered itself): `lora` and `dora` set `name`, `SCHEMA`,
+    `STUDY_LR_GRID` and `use_dora`; neither subclasses the other."""
 
     use_dora = False
+    ESTIMATE_OPTIONS = {"rank": Key(int, 16, "adapter rank (the default targets are assumed)", min=1)}
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -197,6 +200,29 @@ class PeftMethod(Method):
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    # -- memory estimate ---------------------------------------------------------------------------
+    @classmethod
+    def estimate_options(cls, section: dict) -> dict:
+        return {"rank": section["r"]}
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext, rank: int) -> MemoryTerms:
+        """Adapters on the default targets (fp32 on a bf16 model, as peft keeps them); the frozen base's
+        activations that input gradients need, plus the adapters' (lora: W + BA of every expert, kept)."""
+        m, s, kind = ctx.m, ctx.s, "dora" if cls.use_dora else "lora"
+        trainable = lora_trainable(m, rank, cls.use_dora)
+        cast = s != 4  # peft keeps adapters in fp32 on a bf16 model
+        g = Grad(w=False, router=False, adapter=kind, rank=rank, rewritten=m.peft_rewrites, cast=cast)
+        notes = [f"{cls.name}: rank {rank} on q/k/v/o, shared-expert and dense MLP projections"
+                 + (" (not the fused experts: peft's ParamWrapper refuses DoRA)" if cls.use_dora
+                    else ", every expert's gate_up and down (W + BA materialised per forward and kept)")
+                 + "; activations: the frozen model's (what input gradients need) + the adapters'"]
+        if cls.use_dora:
+            notes.append("dora: + magnitude vectors; activations also keep the base and LoRA outputs per "
+                         "targeted matrix and its weight-norm path (an in x in identity through A)")
+        return MemoryTerms(trainable=trainable, activations_forward=ctx.adapted_activations(g), extra_params=trainable,
+                           trainable_bytes=4 if cast else s, notes=tuple(notes))
+
     def export(self, model, out_dir: Path) -> None:
         """`adapter/`: peft `save_pretrained`; out_dir itself: the merged HF model (format hf).
 
@@ -211,3 +237,23 @@ class PeftMethod(Method):
         write_manifest(out_dir, format="hf", method=self.name, adapter_dir="adapter", r=self.opts["r"],
                        lora_alpha=self.opts["lora_alpha"], target_modules=modules, target_parameters=parameters,
                        not_covered=self.not_covered)
+
+
+# -- memory estimate: the default targets' trainable parameters ------------------------------------
+def lora_targets(m: Dims, i: int, dora: bool) -> list[tuple[int, int, int]]:
+    """Layer i's matrices that peft adapts by default: (fan_in, fan_out, copies). DoRA adapts only
+    Linear modules (not the fused experts, nor MLP Linears that peft retargets to their weights)."""
+    q, kv = m.heads * m.hd, m.kv * m.hd
+    mats = [(m.d, q, 1), (m.d, kv, 1), (m.d, kv, 1), (q, m.d, 1)]
+    inter = m.dense_inter if not m.moe[i] else m.shared_inter
+    if inter and not (dora and m.peft_rewrites):
+        mats += [(m.d, inter, 1)] * 2 + [(inter, m.d, 1)]
+    if m.moe[i] and not dora:
+        mats += [(m.d, 2 * m.moe_inter, m.experts), (m.moe_inter, m.d, m.experts)]
+    return mats
+
+
+def lora_trainable(m: Dims, rank: int, dora: bool) -> int:
+    """r (in + out) per adapted matrix and copy, + out for DoRA's magnitude vector."""
+    return sum(copies * (rank * (fan_in + fan_out) + (fan_out if dora else 0))
+               for i in range(m.layers) for fan_in, fan_out, copies in lora_targets(m, i, dora))

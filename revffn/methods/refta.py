@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from revffn.errors import UserError
+from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
+from revffn.memory.saved import Grad
 from revffn.methods.base import Method, set_requires_grad, write_manifest
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
@@ -79,6 +81,8 @@ class ReFTAMethod(Method):
         "alpha": Key(float, 32.0, "update scale numerator: ΔW = (alpha / r) B G A", min=0, min_exclusive=True),
         "target_modules": Key((list, type(None)), None, "Linear module name suffixes (null: q/k/v/o_proj)"),
     }
+    ESTIMATE_OPTIONS = {"rank": Key(int, 16, "rank of the shared factors and the cores (default targets)", min=1)}
+    STUDY_LR_GRID = (1e-3, 3e-3)  # an adapter method: ~10x full's
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -103,6 +107,31 @@ class ReFTAMethod(Method):
         merge(model)
         model.hf.save_pretrained(out_dir)
         write_manifest(out_dir, format="hf", method=self.name, r=self.opts["r"], alpha=self.opts["alpha"])
+
+    # -- memory estimate ---------------------------------------------------------------------------
+    @classmethod
+    def estimate_options(cls, section: dict) -> dict:
+        return {"rank": section["r"]}
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext, rank: int) -> MemoryTerms:
+        """The default q/k/v/o targets in the model dtype; the frozen base's activations that input
+        gradients need, plus A x and G A x per projection."""
+        m = ctx.m
+        trainable = refta_trainable(m, rank)
+        g = Grad(w=False, router=False, adapter="refta", rank=rank, rewritten=m.peft_rewrites, cast=False)
+        note = (f"refta: rank {rank}; shared A per input width, per-layer B and core on q/k/v/o; activations: the "
+                "frozen model's (what input gradients need) + 2 (rows x rank) per projection")
+        return MemoryTerms(trainable=trainable, activations_forward=ctx.adapted_activations(g), extra_params=trainable,
+                           notes=(note,))
+
+
+def refta_trainable(m: Dims, rank: int) -> int:
+    """Trainable parameters on the default q/k/v/o targets: one A per distinct shape, B and G per module."""
+    q, kv = m.heads * m.hd, m.kv * m.hd
+    mats = [(m.d, q), (m.d, kv), (m.d, kv), (q, m.d)]
+    shared_a = sum(rank * fan_in for fan_in, _ in set(mats))  # one A per distinct (in, out) shape
+    return shared_a + m.layers * sum(fan_out * rank + rank * rank for _, fan_out in mats)
 
 
 def _suffix(name: str, t: str) -> bool:

@@ -19,8 +19,10 @@ from safetensors.torch import save_model
 from torch import nn
 
 from revffn.errors import UserError
+from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.convert import ADAPTER_INITS, convert
+from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
 
@@ -33,6 +35,15 @@ class RevFFNMethod(Method):
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "coordinate", "projection adapter init", choices=ADAPTER_INITS),
     }
+    ESTIMATE_OPTIONS = {
+        "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
+        "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
+        "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
+    }
+    STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
+    STUDY_OPTIONS = {"adapter_warmup_steps": 20, "adapter_init": "coordinate", "freeze_router": True}
+    STUDY_GAP_VARIANTS = {f"{init}-w{warm}": {"adapter_init": init, "adapter_warmup_steps": warm}
+                          for init in ("coordinate", "zero") for warm in (20, 50)}
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -40,6 +51,13 @@ class RevFFNMethod(Method):
         if opts["adapter_warmup_steps"] >= cfg.max_steps:
             raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} leaves no stage-2 step "
                             f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")
+
+    @classmethod
+    def study_options(cls, steps: int, **variant) -> dict:
+        """STUDY_OPTIONS and `variant`, the warm-up cut to leave a stage-2 step in a short run."""
+        opts = {**cls.STUDY_OPTIONS, **variant}
+        opts["adapter_warmup_steps"] = min(opts["adapter_warmup_steps"], steps - 1)
+        return opts
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         dtype = torch.float32 if self.opts["stream_dtype"] == "float32" else torch.bfloat16
@@ -67,3 +85,31 @@ class RevFFNMethod(Method):
         save_model(model, str(out_dir / "model.safetensors"))
         write_manifest(out_dir, format="revffn", method=self.name, adapter_init=self.opts["adapter_init"],
                        stream_dtype=self.opts["stream_dtype"])
+
+    # -- memory estimate ---------------------------------------------------------------------------
+    @classmethod
+    def estimate_options(cls, section: dict) -> dict:
+        return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"]}
+
+    @classmethod
+    def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str) -> MemoryTerms:
+        """Forward: two d/2 streams and the routing records (`compact_index_dtype` per token and
+        choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
+        working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router)."""
+        m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
+        stream = dtype_bytes(stream_dtype, "stream_dtype")
+        idx = compact_index_dtype(max(m.experts, 2)).itemsize
+        records = sum(m.moe) * N * m.top_k * idx
+        adapters = counts["adapters_revffn"]
+        trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
+        aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
+        extra = N * m.d * s + 2 * N * m.d * s  # P_up inputs (two d/2 halves), P_down inputs (two d-wide)
+        working = max(ctx.layers[i] + extra + aux * m.moe[i] for i in range(m.layers))
+        state = "stage 1: adapters only trainable" if stage == 1 else (
+            "router frozen" if freeze_router else "router trainable")
+        notes = (f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
+                 f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward",
+                 f"revffn: {adapters} adapter params; {state}")
+        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * (m.d // 2) * stream + records
+        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters,
+                           recompute_working_set=working, routing_records=records, notes=notes)

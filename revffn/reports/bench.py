@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from revffn.errors import UserError, closest
 
 WORKER_MODULE = "revffn.reports.workers.bench"  # run as `python -m WORKER_MODULE ARGS_JSON`
 SWEEP_VARS = {"layers": "layers", "seq": "seq", "batch": "batch", "hidden": "hidden"}
+Runner = Callable[[dict, float | None], dict]  # (worker args, timeout) -> result row; default `run_worker`
 
 
 @dataclass
@@ -52,13 +54,12 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     """Check the spec (UserError on bad input) and resolve device/dtype `auto` as training does."""
     import torch
 
-    from revffn.methods import METHODS
+    from revffn.methods import method_class
     from revffn.models.loading import model_kind
 
     model_kind(spec.model, "--model")
     for m in spec.methods:
-        if m not in METHODS:
-            raise UserError(f"--methods: unknown method {m!r}.{closest(m, METHODS)} Available: {', '.join(METHODS)}.")
+        method_class(m, key="--methods")
     if not spec.methods:
         raise UserError("--methods: give at least one method, e.g. full,ckpt,revffn.")
     if spec.dtype not in ("auto", "float32", "bfloat16"):
@@ -76,10 +77,13 @@ def resolve(spec: BenchSpec) -> BenchSpec:
 
 
 def worker_args(spec: BenchSpec, method: str) -> dict:
+    """The worker's JSON arguments for one method. `method_module`: the module that registers it, which
+    the worker imports first (a method registered outside the package, e.g. by a test)."""
+    from revffn.methods import method_class
     from revffn.models.loading import config_overrides
 
-    return {"model": spec.model, "method": method, "model_config": config_overrides(spec.model, spec.layers,
-                                                                                      spec.hidden),
+    return {"model": spec.model, "method": method, "method_module": method_class(method).__module__,
+            "model_config": config_overrides(spec.model, spec.layers, spec.hidden),
             "batch": spec.batch, "seq": spec.seq, "steps": spec.steps, "dtype": spec.dtype, "device": spec.device,
             "seed": spec.seed, "threads": spec.threads, "set": list(spec.set)}
 
@@ -87,19 +91,15 @@ def worker_args(spec: BenchSpec, method: str) -> dict:
 def estimate_fields(args: dict) -> dict:
     """The analytic estimate of the measured configuration, as `est_*` fields of a result row."""
     from revffn.memory.estimate import estimate
+    from revffn.methods import method_class
     from revffn.models.loading import hf_config
 
     try:
         cfg = train_config(args)
-        opts: dict = {"padded": False}  # the bench batch has no padding: HF drops the all-ones mask
-        if cfg.method == "revffn":
-            sec = cfg.section("revffn")
-            opts.update(freeze_router=sec["freeze_router"], stream_dtype=sec["stream_dtype"])
-        elif cfg.method in ("lora", "dora", "refta"):
-            opts["rank"] = cfg.section(cfg.method)["r"]
-        elif cfg.method == "hift":
-            opts["group_size"] = cfg.section("hift")["group_size"]
-        est = estimate(hf_config(cfg.model, **cfg.model_config), cfg.method, args["batch"], args["seq"],
+        method = method_class(cfg.method, args.get("method_module"))
+        # the bench batch has no padding: HF drops the all-ones mask
+        opts = {"padded": False, **method.estimate_options(cfg.section(cfg.method))}
+        est = estimate(hf_config(cfg.model, **cfg.model_config), method, args["batch"], args["seq"],
                        args["dtype"], **opts)
     except Exception as e:  # an estimate that cannot be made is reported, never fatal
         return {"est_error": f"{type(e).__name__}: {e}"}
@@ -141,10 +141,11 @@ def _progress(i: int, n: int, label: str, row: dict) -> None:
     print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
 
 
-def measure(spec: BenchSpec, method: str) -> dict:
-    """One result row: the worker's measurement, its static bytes, and the estimate."""
+def measure(spec: BenchSpec, method: str, runner: Runner | None = None) -> dict:
+    """One result row: the worker's measurement (`runner`, default `run_worker`), its static bytes, and
+    the estimate."""
     args = worker_args(spec, method)
-    row = run_worker(args, spec.timeout)
+    row = (runner or run_worker)(args, spec.timeout)
     if row.get("status") == "ok":
         row["static_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
     row.update(estimate_fields(args))
@@ -207,12 +208,13 @@ def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
             "cuda": torch.version.cuda if spec.device == "cuda" else None, "loadavg_end": _loadavg()}
 
 
-def run_bench(spec: BenchSpec, argv: list[str] | None = None) -> dict:
-    """Every method of `spec`, one fresh process each; the bench.json document."""
+def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | None = None) -> dict:
+    """Every method of `spec`, one fresh process each (`runner`: how one is measured, default
+    `run_worker`); the bench.json document."""
     info = run_info(spec, argv)
     rows = []
     for i, m in enumerate(spec.methods, 1):
-        rows.append(measure(spec, m))
+        rows.append(measure(spec, m, runner))
         _progress(i, len(spec.methods), m, rows[-1])
     return {"run_info": info, "meta_info": meta_info(spec, rows), "results": rows}
 
@@ -232,7 +234,8 @@ def parse_sweep(text: str) -> tuple[str, list[int]]:
     return var, values
 
 
-def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | None = None) -> dict:
+def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | None = None,
+              runner: Runner | None = None) -> dict:
     """Every method at every value of `var` (fresh process each); the sweep.json document."""
     info = run_info(spec, argv, sweep={"variable": var, "values": values})
     rows, n, i = [], len(values) * len(spec.methods), 0
@@ -240,7 +243,7 @@ def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | No
         point = BenchSpec(**{**asdict(spec), SWEEP_VARS[var]: v})
         for m in spec.methods:
             i += 1
-            rows.append({"value": v, **measure(point, m)})
+            rows.append({"value": v, **measure(point, m, runner)})
             _progress(i, n, f"{var}={v} {m}", rows[-1])
     return {"run_info": info, "meta_info": meta_info(spec, rows), "sweep": {"variable": var, "values": values},
             "results": rows}

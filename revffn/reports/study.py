@@ -10,8 +10,13 @@ same batches (same seed -> same data order). Protocol (`StudyPlan`):
    exact match on the task's *val* split wins (ties: lower val loss). The test split is never used.
 2. More seeds at the chosen LR. Reported: test exact match (mean, min-max over seeds), retention
    loss on held-out pretraining text and its change from the base, peak memory and tokens/s.
-3. Conversion gap of RevFFN on the retention set, for each (adapter init, warm-up length) variant:
-   the base's loss, the converted model at init, after stage 1 (adapters only), after the schedule.
+3. Conversion gap on the retention set, for each method that changes the model before training
+   (RevFFN) and each of its declared variants (adapter init, warm-up length): the base's loss, the
+   prepared model at init, at the method's stage boundary (after RevFFN's stage 1), after the schedule.
+
+Everything about a method comes from its class in the registry (`revffn.methods`): whether it is in
+the study and its LR grid (`STUDY_LR_GRID`), the YAML section of its runs (`study_options`), its
+conversion-gap variants (`STUDY_GAP_VARIANTS`) and its stage boundary (`steady_state_step`).
 
 Every run is a fresh process (`revffn.reports.workers.study`) so its peak memory is its own; with
 `--quick` all runs share one process to fit the time budget, and memory is marked as shared.
@@ -25,24 +30,38 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from revffn.errors import UserError
 
 WORKER_MODULE = "revffn.reports.workers.study"
-METHODS = ("full", "revffn", "lora", "dora", "hift", "refta")
+
+
+def study_methods() -> tuple[str, ...]:
+    """Every registered method that declares an LR grid (`STUDY_LR_GRID`), in registry order."""
+    from revffn.methods import METHODS
+
+    return tuple(m for m, cls in METHODS.items() if cls.STUDY_LR_GRID is not None)
+
+
+def _method(name: str):
+    from revffn.methods import method_class
+
+    return method_class(name)
 
 
 @dataclass(frozen=True)
 class StudyPlan:
-    methods: tuple[str, ...] = METHODS
+    """The protocol's knobs. Methods, LR grids and each method's options come from the registry."""
+
+    methods: tuple[str, ...] = field(default_factory=study_methods)
     tasks: tuple[str, ...] = ("commas", "gsm")
     seeds: tuple[int, ...] = (0, 1)
-    # Declared LR grids: full-parameter methods around the usual SFT range, adapters ~10x higher.
+    # The methods' declared LR grids (full-parameter methods around the usual SFT range, adapters ~10x higher).
     lr_grid: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
-        "full": (3e-4, 1e-3), "revffn": (3e-4, 1e-3), "hift": (3e-4, 1e-3),
-        "lora": (1e-3, 3e-3), "dora": (1e-3, 3e-3), "refta": (1e-3, 3e-3)})
+        m: tuple(_method(m).STUDY_LR_GRID) for m in study_methods()})
     steps: int = 150
     batch: int = 8
     warmup_steps: int = 10
@@ -51,48 +70,70 @@ class StudyPlan:
     eval_limit: int = 100
     retention_limit: int | None = None  # first N retention documents (None: all)
     max_new_tokens: dict[str, int] = field(default_factory=lambda: {"gsm": 20, "commas": 12, "format": 12})
-    revffn: dict = field(default_factory=lambda: {"adapter_warmup_steps": 20, "adapter_init": "coordinate",
-                                                  "freeze_router": True})
-    # (adapter_init, adapter_warmup_steps) for the conversion-gap runs (task: tasks[0], seed 0).
-    gap_variants: tuple[tuple[str, int], ...] = (("coordinate", 20), ("coordinate", 50), ("zero", 20), ("zero", 50))
+    # Also run the methods' other conversion-gap variants (`STUDY_GAP_VARIANTS`; task: tasks[0], seed 0).
+    # False: only the protocol run's gap (the default variant).
+    gap_variants: bool = True
     shared_process: bool = False
-    jobs: int = 1  # worker processes at once (each with REVFFN_STUDY_THREADS torch threads)
+    jobs: int = 1  # worker processes at once
+    threads: int | None = None  # torch threads per run (None: cores / jobs when jobs > 1, else torch's default)
+
+    def options(self, method: str, **variant) -> dict:
+        """The method's YAML section in this plan's runs (`variant`: a conversion-gap variant's options)."""
+        return _method(method).study_options(self.steps, **variant)
 
     @property
-    def default_gap_variant(self) -> tuple[str, int]:
-        """The (adapter_init, adapter_warmup_steps) of the protocol's RevFFN runs."""
-        return self.revffn["adapter_init"], self.revffn["adapter_warmup_steps"]
+    def run_threads(self) -> int | None:
+        """Torch threads of each run: parallel workers share the cores rather than oversubscribe them."""
+        if self.threads or self.jobs <= 1:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // self.jobs)
 
 
-QUICK = StudyPlan(tasks=("commas",), seeds=(0,), steps=2, batch=4, warmup_steps=0, logging_steps=1,
-                  eval_limit=4, retention_limit=8, max_new_tokens={"commas": 4},
-                  lr_grid={m: (1e-4,) for m in METHODS},
-                  revffn={"adapter_warmup_steps": 1, "adapter_init": "coordinate", "freeze_router": True},
-                  gap_variants=(("coordinate", 1),), shared_process=True)
+def quick_plan() -> StudyPlan:
+    """The smoke version (`--quick`): every study method, 2 steps, one task, one seed, one shared process."""
+    return StudyPlan(tasks=("commas",), seeds=(0,), steps=2, batch=4, warmup_steps=0, logging_steps=1,
+                     eval_limit=4, retention_limit=8, max_new_tokens={"commas": 4},
+                     lr_grid={m: (1e-4,) for m in study_methods()}, gap_variants=False, shared_process=True)
 
 
 def _job(plan: StudyPlan, out: Path, method: str, task: str, seed: int, lr: float, eval_val: bool,
-         revffn: dict | None = None, gap_init: bool = False, tag: str = "") -> dict:
+         options: dict | None = None, gap_init: bool = False, tag: str = "") -> dict:
+    """One run's JSON for the worker. `method_module`: the module that registers the method (the worker
+    imports it first, so a method registered outside the package works); `options`: its YAML section."""
     name = f"{method}-{task}-s{seed}-lr{lr:g}{tag}"
-    return {"name": name, "method": method, "task": task, "seed": seed, "lr": lr, "steps": plan.steps,
-            "batch": plan.batch, "warmup_steps": plan.warmup_steps, "logging_steps": plan.logging_steps,
-            "max_seq_length": plan.max_seq_length, "eval_limit": plan.eval_limit,
-            "retention_limit": plan.retention_limit,
+    return {"name": name, "method": method, "method_module": _method(method).__module__, "task": task,
+            "seed": seed, "lr": lr, "steps": plan.steps, "batch": plan.batch, "warmup_steps": plan.warmup_steps,
+            "logging_steps": plan.logging_steps, "max_seq_length": plan.max_seq_length,
+            "eval_limit": plan.eval_limit, "retention_limit": plan.retention_limit,
             "max_new_tokens": plan.max_new_tokens[task], "eval_val": eval_val, "gap_init": gap_init,
-            "revffn": dict(revffn or plan.revffn), "run_dir": str(out / "runs" / name)}
+            "threads": plan.run_threads, "options": options if options is not None else plan.options(method),
+            "run_dir": str(out / "runs" / name)}
 
 
-def run_jobs(jobs: list[dict], out: Path, shared_process: bool, log=print, parallel: int = 1) -> list[dict]:
-    """Run jobs in fresh worker processes (one each, or one for all), `parallel` processes at a time;
-    a failed job is an error row. Rows come back in job order."""
+def run_worker(job_files: list[str]) -> subprocess.CompletedProcess:
+    """The default runner: one fresh worker process for `job_files` (returncode, stdout, stderr)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-m", WORKER_MODULE, *job_files], capture_output=True, text=True, env=env)
+
+
+Runner = Callable[[list[str]], subprocess.CompletedProcess]
+
+
+def run_jobs(jobs: list[dict], out: Path, shared_process: bool, log=print, parallel: int = 1,
+             runner: Runner | None = None) -> list[dict]:
+    """Run jobs in fresh worker processes (one each, or one for all; `runner`, default `run_worker`),
+    `parallel` processes at a time; a failed job is an error row. Rows come back in job order."""
     from concurrent.futures import ThreadPoolExecutor
+
+    runner = runner or run_worker
 
     groups = [jobs] if shared_process else [[j] for j in jobs]
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        return [row for rows in pool.map(lambda g: _run_group(g, out, shared_process, log), groups) for row in rows]
+        return [row for rows in pool.map(lambda g: _run_group(g, out, shared_process, log, runner), groups)
+                for row in rows]
 
 
-def _run_group(group: list[dict], out: Path, shared_process: bool, log) -> list[dict]:
+def _run_group(group: list[dict], out: Path, shared_process: bool, log, runner: Runner) -> list[dict]:
     results = []
     files = []
     for job in group:
@@ -101,8 +142,7 @@ def _run_group(group: list[dict], out: Path, shared_process: bool, log) -> list[
         path.write_text(json.dumps(job, indent=1))
         files.append(str(path))
     t0 = time.perf_counter()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, "-m", WORKER_MODULE, *files], capture_output=True, text=True, env=env)
+    proc = runner(files)
     got = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -166,41 +206,63 @@ def summarize(plan: StudyPlan, runs: list[dict], chosen: dict, base_loss: float 
 
 
 def gap_plan(plan: StudyPlan, out: Path, grid: list[dict], chosen: dict) -> tuple[list[dict], dict]:
-    """Extra RevFFN runs for the conversion-gap variants, and the run name of every variant.
+    """The conversion-gap runs of every plan method that declares variants (`STUDY_GAP_VARIANTS`:
+    RevFFN's adapter inits and warm-up lengths), and the run of each variant, (method, label) -> name.
 
-    All variants use tasks[0], seed 0 and RevFFN's chosen LR; the default variant is the grid run itself.
+    All variants use tasks[0], seed 0 and the method's chosen LR; the default variant (the method's study
+    options) is the grid run itself, the others are extra runs (only with `plan.gap_variants`).
     """
-    if "revffn" not in plan.methods:
-        return [], {}
-    task0, lr0 = plan.tasks[0], chosen[f"revffn/{plan.tasks[0]}"]
-    default = plan.default_gap_variant
-    names = {default: next(j["name"] for j in grid if j["method"] == "revffn" and j["task"] == task0
-                           and j["lr"] == lr0)}
-    jobs = []
-    for init, warm in plan.gap_variants:
-        if (init, warm) != default:
-            job = _job(plan, out, "revffn", task0, plan.seeds[0], lr0, eval_val=False, gap_init=True,
-                       revffn={**plan.revffn, "adapter_init": init, "adapter_warmup_steps": warm},
-                       tag=f"-{init}-w{warm}")
-            job["gap_only"] = True
-            jobs.append(job)
-            names[(init, warm)] = job["name"]
+    task0, jobs, names = plan.tasks[0], [], {}
+    for m in plan.methods:
+        variants = _method(m).STUDY_GAP_VARIANTS
+        if not variants:
+            continue
+        lr0, default = chosen[f"{m}/{task0}"], plan.options(m)
+        names[m, "default"] = next(j["name"] for j in grid if j["method"] == m and j["task"] == task0
+                                   and j["lr"] == lr0)
+        for label, variant in variants.items() if plan.gap_variants else ():
+            options = plan.options(m, **variant)
+            if options != default:
+                job = _job(plan, out, m, task0, plan.seeds[0], lr0, eval_val=False, options=options, gap_init=True,
+                           tag=f"-{label}")
+                job["gap_only"] = True
+                jobs.append(job)
+                names[m, label] = job["name"]
     return jobs, names
 
 
-def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=print) -> dict:
+def gap_rows(names: dict, runs: list[dict], base_loss: float | None) -> list[dict]:
+    """One row per conversion-gap variant that ran: the variant's options and its retention losses."""
+    by_name = {r["name"]: r for r in runs if r["status"] == "ok"}
+    rows = []
+    for (method, label), name in names.items():
+        r = by_name.get(name)
+        if r is not None:
+            rows.append({"method": method, "variant": label, **r["job"]["options"], "task": r["job"]["task"],
+                         "lr": r["job"]["lr"], "base": base_loss, "converted_init": r["converted_retention_loss"],
+                         "after_stage1": r["stage1_retention_loss"], "after_schedule": r["retention_loss"],
+                         "test_exact_match": r["test_exact_match"], "default": label == "default"})
+    return rows
+
+
+def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=print,
+              runner: Runner | None = None) -> dict:
+    """The whole protocol (module docstring); the study.json document. `runner`: how a group of jobs
+    runs (default: one fresh worker process per group)."""
+    import torch
+
     from revffn.reports.bench import _git, _loadavg
 
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    if plan.jobs > 1:  # parallel workers share the cores rather than oversubscribe them
-        os.environ.setdefault("REVFFN_STUDY_THREADS", str(max(1, (os.cpu_count() or 1) // plan.jobs)))
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    # 1. LR selection on val (seed 0); the default RevFFN run of tasks[0] also measures the gap at init.
-    grid = [_job(plan, out, m, t, plan.seeds[0], lr, eval_val=True, gap_init=(m == "revffn" and t == plan.tasks[0]))
+    # 1. LR selection on val (seed 0); the default run of tasks[0] of a method with a conversion gap also
+    # measures the gap at init.
+    grid = [_job(plan, out, m, t, plan.seeds[0], lr, eval_val=True,
+                 gap_init=bool(_method(m).STUDY_GAP_VARIANTS) and t == plan.tasks[0])
             for t in plan.tasks for m in plan.methods for lr in plan.lr_grid[m]]
     grid[0]["measure_base"] = True
-    runs = run_jobs(grid, out, plan.shared_process, log, plan.jobs)
+    runs = run_jobs(grid, out, plan.shared_process, log, plan.jobs, runner)
     chosen = {f"{m}/{t}": select_lr([r for r in runs if r["job"]["method"] == m and r["job"]["task"] == t])
               for t in plan.tasks for m in plan.methods}
     # 2. The other seeds at the chosen LR.
@@ -208,37 +270,26 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
             for t in plan.tasks for m in plan.methods for s in plan.seeds[1:]]
     # 3. Conversion-gap variants other than the default (which ran in step 1).
     gap_jobs, gap_names = gap_plan(plan, out, grid, chosen)
-    runs += run_jobs(more + gap_jobs, out, plan.shared_process, log, plan.jobs)
+    runs += run_jobs(more + gap_jobs, out, plan.shared_process, log, plan.jobs, runner)
     base_loss = next((r["base_retention_loss"] for r in runs if r.get("base_retention_loss") is not None), None)
-    by_name = {r["name"]: r for r in runs if r["status"] == "ok"}
-    gap = []
-    for init, warm in plan.gap_variants:
-        r = by_name.get(gap_names.get((init, warm)))
-        if r is not None:
-            gap.append({"adapter_init": init, "adapter_warmup_steps": warm, "task": r["job"]["task"],
-                        "lr": r["job"]["lr"], "base": base_loss,
-                        "converted_init": r["converted_retention_loss"], "after_stage1": r["stage1_retention_loss"],
-                        "after_schedule": r["retention_loss"], "test_exact_match": r["test_exact_match"],
-                        "default": (init, warm) == plan.default_gap_variant})
     return {
         "schema": "revffn.study/1",
         "command": " ".join(["revffn", *argv]) if argv is not None else None,
         "plan": asdict(plan), "started": started, "wall_s": round(time.perf_counter() - t0, 1),
-        "git_commit": _git("rev-parse", "HEAD"), "loadavg_end": _loadavg(), "threads": _threads(),
+        "git_commit": _git("rev-parse", "HEAD"), "loadavg_end": _loadavg(),
+        "threads": plan.run_threads or torch.get_num_threads(),
+        "method_options": {m: o for m in plan.methods if (o := plan.options(m))},
         "base_retention_loss": base_loss, "chosen_lr": chosen,
-        "summary": summarize(plan, runs, chosen, base_loss), "conversion_gap": gap, "runs": runs,
+        "summary": summarize(plan, runs, chosen, base_loss), "conversion_gap": gap_rows(gap_names, runs, base_loss),
+        "runs": runs,
     }
 
 
-def _threads() -> int:
-    import torch
-
-    return int(os.environ.get("REVFFN_STUDY_THREADS", torch.get_num_threads()))
-
-
 def plan_for(quick: bool, **overrides) -> StudyPlan:
-    plan = QUICK if quick else StudyPlan()
-    unknown = [m for m in overrides.get("methods") or () if m not in METHODS]
+    """The full or the quick plan, with the CLI's overrides (methods, jobs, threads; None: keep)."""
+    plan = quick_plan() if quick else StudyPlan()
+    unknown = [m for m in overrides.get("methods") or () if m not in plan.lr_grid]
     if unknown:
-        raise UserError(f"--methods: unknown method(s) {', '.join(unknown)}. Fix: choose from {', '.join(METHODS)}.")
+        raise UserError(f"--methods: {', '.join(map(repr, unknown))} not in the study. Fix: choose from "
+                        f"{', '.join(plan.methods)} (a method joins the study by declaring STUDY_LR_GRID).")
     return replace(plan, **{k: v for k, v in overrides.items() if v})

@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from revffn.errors import UserError
-from revffn.memory.estimate import (
-    count_params,
-    estimate,
-    fits,
-    format_estimate,
-    parse_size,
-)
+from revffn.memory.estimate import count_params, fits, format_estimate, parse_size
+from revffn.memory.estimate import estimate as estimate_of
 from revffn.memory.measure import SavedTensorLog
+from revffn.methods import method_class
 from revffn.models.convert import convert
 from revffn.models.loading import config_presets, hf_config
 from revffn.models.loss import causal_lm_loss
@@ -22,6 +18,11 @@ from revffn.reports.check import make_batch
 from tests.conftest import GENERIC, REQUIRED
 
 GiB = 2**30
+
+
+def estimate(config, method: str, *args, **options) -> dict:
+    """The estimate of a method by name (the estimator takes the method's class)."""
+    return estimate_of(config, method_class(method), *args, **options)
 
 
 @pytest.mark.parametrize("name", [*REQUIRED, GENERIC])

@@ -37,7 +37,9 @@ def test_layers_and_hidden_overrides_scale_the_estimate(capsys):
 @pytest.mark.parametrize("argv,word", [(["--gpu-mem", "80"], "--gpu-mem"), (["--gpu-mem", "lots"], "--gpu-mem"),
                                        (["--model", "qwen1.5-moe"], "qwen1.5-moe-a2.7b"),
                                        (["--method", "fulll"], "full"), (["--option", "rank=4"], "rank"),
-                                       (["--dtype", "float8"], "dtype")])
+                                       (["--dtype", "float8"], "dtype"),
+                                       (["--method", "revffn", "--option", "stage=3"], "option stage: must be <= 2"),
+                                       (["--method", "hift", "--option", "group_size=0"], "group_size")])
 def test_bad_input_exit_2(argv, word, capsys):
     base = {"--model": "tiny-qwen2-moe", "--method": "full"}
     for flag, value in zip(argv[::2], argv[1::2]):

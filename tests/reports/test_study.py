@@ -1,17 +1,22 @@
 """`revffn study`: the quick smoke run end to end, LR selection on val only, aggregation, rendering."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from revffn import cli
+from revffn.reports import study
 from revffn.reports.render.study import goal_check, study_markdown, write_study
-from revffn.reports.study import QUICK, StudyPlan, select_lr, summarize
+from revffn.reports.study import StudyPlan, plan_for, quick_plan, select_lr, summarize
+from revffn.reports.workers import study as worker
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """The CI smoke version: all six methods, 2 steps each, one shared worker process."""
+    """The CI smoke version: every study method, 2 steps each, one shared worker process."""
     root = tmp_path_factory.mktemp("study")
     rc = cli.main(["study", "--quick", "--out", str(root / "out"), "--docs", str(root / "docs" / "study.md")])
     assert rc == 0
@@ -21,8 +26,10 @@ def quick(tmp_path_factory):
 def test_quick_study_runs_every_method_and_writes_the_report(quick):
     data = json.loads((quick / "out" / "study.json").read_text())
     assert data["command"] == f"revffn study --quick --out {quick / 'out'} --docs {quick / 'docs' / 'study.md'}"
+    quick_methods = quick_plan().methods
+    assert quick_methods == ("full", "revffn", "lora", "dora", "hift", "refta")  # every method with an LR grid
     assert [r["status"] for r in data["runs"]] == ["ok"] * 6
-    assert [r["method"] for r in data["summary"]] == list(QUICK.methods)
+    assert [r["method"] for r in data["summary"]] == list(quick_methods)
     for row in data["summary"]:
         assert 0.0 <= row["test_exact_match"]["mean"] <= 1.0
         assert row["retention_loss"]["mean"] > 0 and row["tokens_per_s"]["mean"] > 0
@@ -31,9 +38,17 @@ def test_quick_study_runs_every_method_and_writes_the_report(quick):
     for run in data["runs"]:  # each run went through the one loop and left its config and metrics
         run_dir = quick / "out" / "runs" / run["name"]
         assert (run_dir / "final" / "config.json").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
-        assert len(run["curve"]) == QUICK.steps
+        assert len(run["curve"]) == quick_plan().steps
+        assert run["job"]["method_module"] == f"revffn.methods.{run['job']['method']}"
     gap = data["conversion_gap"]
     assert len(gap) == 1 and gap[0]["default"] and gap[0]["base"] == data["base_retention_loss"]
+    # RevFFN's study options (warm-up cut to 1 of the 2 steps): its stage boundary got a retention eval
+    assert gap[0]["method"] == "revffn" and gap[0]["adapter_warmup_steps"] == 1
+    assert gap[0]["converted_init"] > 0 and gap[0]["after_stage1"] is None  # quick: no eval at the boundary
+    assert data["method_options"] == {"revffn": {"adapter_warmup_steps": 1, "adapter_init": "coordinate",
+                                                 "freeze_router": True}}
+    yaml_text = (quick / "out" / "runs" / "revffn-commas-s0-lr0.0001.yaml").read_text()
+    assert "revffn:\n  adapter_warmup_steps: 1\n" in yaml_text
     md = (quick / "docs" / "study.md").read_text()
     assert md.startswith("# RevFFN quality study\n\nRegenerate: `revffn study --quick")
     assert "| commas | revffn |" in md and "![study_accuracy.png](study/study_accuracy.png)" in md
@@ -52,7 +67,8 @@ def test_study_refuses_an_existing_study_and_rerenders(quick, capsys):
 
 
 def test_a_failing_method_is_an_error_row_and_exit_1(tmp_path, monkeypatch):
-    monkeypatch.setenv("REVFFN_STUDY_FAULT", "lora")
+    """The real worker in a fresh process, with lora's runs made to fail (`faulty_study_worker`)."""
+    monkeypatch.setattr(study, "WORKER_MODULE", "tests.reports.faulty_study_worker")
     assert cli.main(["study", "--quick", "--methods", "full,lora", "--out", str(tmp_path)]) == 1
     data = json.loads((tmp_path / "study.json").read_text())
     status = {r["job"]["method"]: r["status"] for r in data["runs"]}
@@ -104,7 +120,7 @@ def test_goal_check_reports_shortfalls():
 
 
 def test_markdown_renders_from_json_alone(tmp_path):
-    plan = StudyPlan(methods=("full",), tasks=("gsm",), seeds=(0,), gap_variants=())
+    plan = StudyPlan(methods=("full",), tasks=("gsm",), seeds=(0,), gap_variants=False)
     runs = [_run("full", "gsm", 0, 1e-4, val=0.5)]
     data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(plan.__dict__)), "wall_s": 60,
             "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 2.0,
@@ -114,3 +130,48 @@ def test_markdown_renders_from_json_alone(tmp_path):
     md = study_markdown(data)
     assert "| gsm | full | 0.0001 (0.0003, 0.001) | 50.0 | 2.000 | +0.000 |" in md
     assert (tmp_path / "study_accuracy.png").exists() and not (tmp_path / "study_gap.png").exists()
+
+
+def test_plan_derives_from_the_registry_and_validates_methods():
+    plan = StudyPlan()
+    assert plan.methods == ("full", "revffn", "lora", "dora", "hift", "refta")  # ckpt: no grid (its grads are full's)
+    assert plan.lr_grid["revffn"] == (3e-4, 1e-3) and plan.lr_grid["refta"] == (1e-3, 3e-3)
+    assert plan.options("revffn")["adapter_warmup_steps"] == 20 and plan.options("lora") == {}
+    assert plan_for(True, methods=("full", "lora")).methods == ("full", "lora")
+    with pytest.raises(Exception, match="'ckpt', 'fulll' not in the study"):
+        plan_for(False, methods=("ckpt", "fulll"))
+
+
+def test_threads_travel_in_the_job_and_the_worker_applies_them(tmp_path, monkeypatch):
+    assert StudyPlan(jobs=2).run_threads == max(1, (os.cpu_count() or 1) // 2)
+    assert StudyPlan(jobs=2, threads=3).run_threads == 3 and StudyPlan().run_threads is None
+    job = study._job(StudyPlan(threads=1), tmp_path, "full", "gsm", 0, 1e-3, eval_val=False)
+    assert job["threads"] == 1 and job["options"] == {} and job["method_module"] == "revffn.methods.full"
+
+    def stop(job, run_dir):
+        raise KeyboardInterrupt("stop before training")
+
+    monkeypatch.setattr(worker, "write_config", stop)
+    before = torch.get_num_threads()
+    assert before != 1
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.run_job(job, 0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_stage_boundary_gets_a_retention_eval(tmp_path):
+    """The worker asks the method for its stage boundary (`steady_state_step`): RevFFN's warm-up, cut by
+    its `study_options` to leave a stage-2 step; none for HiFT."""
+    plan = StudyPlan(steps=6)
+    for method, boundary in (("revffn", 5), ("hift", 0)):
+        job = study._job(plan, tmp_path, method, "commas", 0, 1e-3, eval_val=False)
+        cfg, m = worker.write_config(job, Path(job["run_dir"]))
+        assert type(m).name == method and m.steady_state_step() == boundary
+        assert cfg.eval_data == ("builtin:retention_test" if boundary else None)
+        if boundary:
+            assert cfg.eval_steps == boundary and cfg.section("revffn")["adapter_warmup_steps"] == boundary
+        saved = (tmp_path / "runs" / f"{job['name']}.yaml").read_text()  # the kept config is the one that ran
+        assert ("retention_test" in saved) == bool(boundary)

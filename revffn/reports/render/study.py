@@ -56,6 +56,12 @@ def goal_check(data: dict) -> list[str]:
     return lines
 
 
+def _method_options(data: dict) -> dict:
+    """Method -> the YAML section of its study runs (a study.json before `method_options`: plan.revffn)."""
+    plan = data["plan"]
+    return data.get("method_options", {"revffn": plan["revffn"]} if "revffn" in plan else {})
+
+
 def study_markdown(data: dict, plot_prefix: str = "") -> str:
     plan = data["plan"]
     seeds = ", ".join(map(str, plan["seeds"]))
@@ -73,7 +79,8 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         f"{plan['steps']} optimizer steps × batch {plan['batch']} (same batches), cosine LR with "
         f"{plan['warmup_steps']} warm-up steps, fp32. LR chosen per method and task from the declared grid by "
         f"val exact match (seed {plan['seeds'][0]}); test numbers are mean [min–max] over seeds {seeds}. "
-        f"RevFFN: {plan['revffn']}. What the numbers say, and what was tried: README, \"Quality study\".",
+        + "".join(f"{m} options: {o}. " for m, o in _method_options(data).items())
+        + "What the numbers say, and what was tried: README, \"Quality study\".",
         "",
         "| task | method | LR (grid) | test exact match % | retention loss | Δ retention | peak mem MiB | tokens/s |",
         "|---|---|---|---|---|---|---|---|",

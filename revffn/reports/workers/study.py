@@ -2,12 +2,14 @@
 
     python -m revffn.reports.workers.study JOB.json [JOB.json ...]
 
-JOB.json (written by `revffn.reports.study`) names the method, task, seed, learning rate and
-schedule. The worker writes the run's training config next to it, trains through the one loop
-(`revffn.training.loop.run`), reloads the exported `final/` model, and prints one JSON line:
-exact match on the task's test split (and val split when asked), retention loss, training peak
-memory, tokens/s and the loss curve. Before training it measures, when asked, the base's retention
-loss (`measure_base`) and that of the freshly converted RevFFN model (`gap_init`).
+JOB.json (written by `revffn.reports.study`) names the method (and `method_module`, the module that
+registers it, imported first), its YAML section (`options`), task, seed, learning rate, schedule and
+torch threads. The worker writes the run's training config next to it, trains through the one loop
+(`revffn.training.loop.run`), reloads the exported `final/` model, and prints one JSON line: exact
+match on the task's test split (and val split when asked), retention loss, training peak memory,
+tokens/s and the loss curve. Before training it measures, when asked, the base's retention loss
+(`measure_base`) and that of the method's prepared model at init (`gap_init`: RevFFN's conversion);
+a method with a stage boundary (`steady_state_step` > 0) also gets the retention loss there.
 
 Memory on CPU is the process peak RSS during training minus the RSS right after the imports (as in
 `revffn bench`); on CUDA `torch.cuda.max_memory_allocated`.
@@ -16,13 +18,9 @@ Memory on CPU is the process peak RSS during training minus the RSS right after 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import peft  # noqa: F401  (imported before the RSS baseline for every method alike)
 import torch
@@ -44,20 +42,35 @@ def train_config(job: dict, run_dir: Path) -> dict:
         "weight_decay": 0.0, "max_grad_norm": 1.0, "max_seq_length": job["max_seq_length"], "seed": job["seed"],
         "logging_steps": job["logging_steps"], "dtype": "float32", "device": job.get("device", "auto"),
     }
-    if job["method"] == "revffn":
-        cfg["revffn"] = dict(job.get("revffn", {}))
-        # Retention loss right after stage 1 comes from the loop's periodic eval at the stage boundary.
-        if job.get("retention_limit") is None and cfg["revffn"].get("adapter_warmup_steps"):
-            cfg["eval_data"] = "builtin:retention_test"
-            cfg["eval_steps"] = cfg["revffn"]["adapter_warmup_steps"]
+    if job.get("options"):
+        cfg[job["method"]] = dict(job["options"])
     return cfg
 
 
-def losses_before_training(job: dict) -> dict:
-    """Retention loss of the base (`measure_base`) and of the converted model at init (`gap_init`)."""
+def write_config(job: dict, run_dir: Path):
+    """The run's config, kept as `RUN.yaml` next to the run (so `revffn train` can repeat it), and the
+    method built from it. A method with a stage boundary gets the retention set as eval data,
+    evaluated every `steady_state_step()` steps: the first eval is the retention right after stage 1."""
+    from revffn.methods import method_class
+    from revffn.training.config import load_config
+
+    cls = method_class(job["method"], job.get("method_module"))
+    cfg_file = run_dir.parent / f"{run_dir.name}.yaml"
+    cfg_file.parent.mkdir(parents=True, exist_ok=True)
+    cfg = train_config(job, run_dir)
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    boundary = cls(load_config(str(cfg_file))).steady_state_step()
+    if boundary and job.get("retention_limit") is None:
+        cfg.update(eval_data="builtin:retention_test", eval_steps=boundary)
+        cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    loaded = load_config(str(cfg_file))
+    return loaded, cls(loaded)
+
+
+def losses_before_training(job: dict, method) -> dict:
+    """Retention loss of the base (`measure_base`) and of `method`'s prepared model at init (`gap_init`)."""
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.causal_lm import CausalLM
-    from revffn.models.convert import convert
     from revffn.models.loading import load_hf, resolve_model_ref
     from revffn.training.evaluate import retention_loss
 
@@ -67,32 +80,27 @@ def losses_before_training(job: dict) -> dict:
     if job.get("measure_base"):
         out["base_retention_loss"] = retention_loss(CausalLM(load_hf(BASE)).eval(), tok, limit=limit)
     if job.get("gap_init"):
-        init = job.get("revffn", {}).get("adapter_init", "coordinate")
-        out["converted_retention_loss"] = retention_loss(convert(load_hf(BASE), adapter_init=init).eval(), tok,
-                                                         limit=limit)
+        out["converted_retention_loss"] = retention_loss(method.prepare(load_hf(BASE)).eval(), tok, limit=limit)
     return out
 
 
 def run_job(job: dict, baseline: int) -> dict:
-    if job["method"] in os.environ.get("REVFFN_STUDY_FAULT", "").split(","):  # test hook: this method fails
-        raise RuntimeError(f"injected fault in {job['method']}")
     from revffn.data.formats import load_examples
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.loading import load
-    from revffn.training.config import load_config
     from revffn.training.evaluate import evaluate, retention_loss
     from revffn.training.loop import run
 
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
     run_dir = Path(job["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = {"name": job["name"]}
-    result.update(losses_before_training(job))
-    cfg_file = run_dir.parent / f"{run_dir.name}.yaml"
-    cfg_file.write_text(yaml.safe_dump(train_config(job, run_dir), sort_keys=False))
-    summary = run(load_config(str(cfg_file)))
+    cfg, method = write_config(job, run_dir)
+    result = {"name": job["name"], **losses_before_training(job, method)}
+    summary = run(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    warm = job.get("revffn", {}).get("adapter_warmup_steps", 0) if job["method"] == "revffn" else 0
-    after_stage1 = [r["eval_loss"] for r in records if r["step"] == warm and "eval_loss" in r]
+    boundary = method.steady_state_step()
+    after_stage1 = [r["eval_loss"] for r in records if boundary and r["step"] == boundary and "eval_loss" in r]
     result.update(
         curve=[[r["step"], r["loss"]] for r in records],
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in records[1:] or records),
@@ -114,7 +122,6 @@ def run_job(job: dict, baseline: int) -> dict:
 
 def main(job_files: list[str]) -> None:
     """Run each job in turn; one JSON line per finished job (a failing job prints nothing)."""
-    torch.set_num_threads(int(os.environ.get("REVFFN_STUDY_THREADS", torch.get_num_threads())))
     transformers.utils.logging.disable_progress_bar()
     baseline = current_rss_bytes()
     for job_file in job_files:
