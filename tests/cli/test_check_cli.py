@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from revffn import cli
 
 
+@pytest.mark.integration
 def test_check_json_is_one_object():
     proc = subprocess.run([sys.executable, "-m", "revffn", "check", "--model", "tiny-mixtral", "--layers", "2",
                            "--json"], capture_output=True, text=True, timeout=300)

@@ -83,6 +83,7 @@ def reference(tmp_path_factory):
     return rows
 
 
+@pytest.mark.integration
 def test_delayed_lr(reference):
     rows, k = reference, 4
     lrs = [r["lr"] for r in rows]
@@ -97,6 +98,7 @@ def test_delayed_lr(reference):
     assert rows[-1]["optimizer_state_bytes_active"] < rows[-1]["optimizer_state_bytes_total"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("fault", ["kill@step:5", "kill@save:6"])
 def test_exact_resume_after_kill(reference, fault, tmp_path):
     run = tmp_path / "run"

@@ -43,6 +43,7 @@ def test_unregistered_it_is_unknown_everywhere(capsys):
         plan_for(True, methods=("toy",))
 
 
+@pytest.mark.integration
 def test_a_worker_process_finds_it_through_its_module(toy, monkeypatch):
     """What a fresh worker process does: it knows only the name and the module, and imports the module."""
     monkeypatch.delitem(METHODS, "toy")
@@ -85,6 +86,7 @@ def test_revffn_bench_methods_toy(toy, tmp_path, monkeypatch, capsys):
     assert "| toy | ok |" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.integration
 def test_revffn_study_methods_toy(toy, tmp_path, capsys):
     """Its LR grid puts it in the study; the quick study runs it in a real worker process, which
     imports `tests.methods.toy_method` (the job's `method_module`) to see it."""

@@ -12,6 +12,8 @@ from revffn.reports.bench import BenchSpec, resolve, run_bench, worker_args
 from revffn.reports.render.bench import bench_markdown, write_bench
 from revffn.reports.workers import bench as bench_worker
 
+pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
+
 ROW_KEYS = ("method", "status", "peak_mem_bytes", "activation_bytes", "routing_record_bytes", "trainable_params",
             "grad_bytes", "optimizer_state_bytes", "tokens_per_s", "param_bytes", "static_bytes",
             "est_static_bytes", "est_activation_bytes")

@@ -13,6 +13,8 @@ from revffn.reports.render.study import goal_check, study_markdown, write_study
 from revffn.reports.study import StudyPlan, plan_for, quick_plan, select_lr, summarize
 from revffn.reports.workers import study as worker
 
+pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
+
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):

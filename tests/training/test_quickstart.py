@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
+
 
 def _run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "revffn", *args], capture_output=True, text=True, timeout=timeout)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
+
 FAULT_RUN = Path(__file__).with_name("fault_run.py")  # revffn train with a fault injected
 
 BASE = {
