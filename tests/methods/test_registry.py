@@ -9,12 +9,10 @@ import pytest
 
 from revffn import cli
 from revffn.memory.estimate import count_params
-from revffn.memory.measure import current_rss_bytes
 from revffn.methods import METHODS, method_class
 from revffn.models.loading import config_overrides, hf_config
 from revffn.reports import bench
 from revffn.reports.study import StudyPlan, plan_for, quick_plan
-from revffn.reports.workers import bench as bench_worker
 from tests.memory.test_estimate_agreement import CASES, check_agreement
 from tests.methods.toy_method import ToyMethod
 
@@ -27,11 +25,6 @@ def toy(monkeypatch):
     """`toy` in the registry for one test only."""
     monkeypatch.setitem(METHODS, ToyMethod.name, ToyMethod)
     return ToyMethod
-
-
-def _in_process(args: dict, timeout=None) -> dict:
-    """The bench worker in this process (where the fixture registered `toy`)."""
-    return bench_worker.run(args, current_rss_bytes())
 
 
 def test_unregistered_it_is_unknown_everywhere(capsys):
@@ -71,10 +64,11 @@ def test_its_estimate_agrees_with_the_bench(toy):
     check_agreement("toy", [CASES[0], CASES[-1]])  # fp32 and bf16
 
 
-def test_revffn_bench_methods_toy(toy, tmp_path, monkeypatch, capsys):
+@pytest.mark.integration
+def test_revffn_bench_methods_toy(toy, tmp_path, capsys):
+    """Each bench method runs in a real worker process, which imports the toy's module to see it."""
     assert bench.worker_args(bench.resolve(bench.BenchSpec("tiny-qwen2-moe", ["toy"], layers=1)), "toy")[
         "method_module"] == MODULE
-    monkeypatch.setattr(bench, "run_worker", _in_process)
     assert cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full,toy", "--layers", "2", "--batch", "2",
                      "--seq", "32", "--steps", "1", "--out", str(tmp_path)]) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
