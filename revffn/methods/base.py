@@ -24,7 +24,7 @@ from revffn.schema import Key
 
 class Method:
     """Base of defaults (as PEFT's `BaseTuner`). Subclasses must set `name` and define `prepare`,
-    `optimizer_parameters`, `set_trainable` and `export`; every other method has a default that
+    `optimizer_parameters` and `export`; every other method has a default that
     most methods keep."""
 
     name: ClassVar[str]
@@ -55,16 +55,18 @@ class Method:
         """Every parameter that may train at some step (the optimizer holds these)."""
         raise NotImplementedError
 
-    def set_trainable(self, model: nn.Module, step: int, optimizer=None) -> str:
-        """Set requires_grad for `step` (0-based) and return the stage name to log. May also move
-        optimizer state between devices (HiFT keeps only the active group's on the device)."""
-        raise NotImplementedError
-
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """Write the final model to out_dir (model files + revffn.json); the loop adds the tokenizer."""
         raise NotImplementedError
 
     # -- optional, with defaults --------------------------------------------------------------
+    def set_trainable(self, model: nn.Module, step: int, optimizer=None) -> str:
+        """Set requires_grad for `step` (0-based) and return the stage name to log. May also move
+        optimizer state between devices (HiFT keeps only the active group's on the device).
+        Default: every optimizer parameter trains at every step, in one stage named after the method."""
+        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
+        return self.name
+
     def schedule_position(self, step: int) -> int:
         """Position of `step` in the LR schedule (HiFT advances once per cycle)."""
         return step

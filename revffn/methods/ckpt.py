@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from revffn.memory.estimate import MemoryContext, MemoryTerms
-from revffn.methods.base import Method, export_hf, non_router_parameters, set_requires_grad
+from revffn.methods.base import Method, export_hf, non_router_parameters
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
@@ -36,10 +36,6 @@ class CkptMethod(Method):
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return non_router_parameters(model, self.opts["freeze_router"])
-
-    def set_trainable(self, model, step: int, optimizer=None) -> str:
-        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
-        return self.name
 
     def export(self, model, out_dir: Path) -> None:
         """A plain HF `save_pretrained` directory (safetensors), loadable by HF and `revffn.load`."""

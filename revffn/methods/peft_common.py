@@ -33,7 +33,7 @@ from torch import nn
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
-from revffn.methods.base import Method, set_requires_grad, write_manifest
+from revffn.methods.base import Method, write_manifest
 from revffn.models.architectures import spec_for
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
@@ -195,10 +195,6 @@ class PeftMethod(Method):
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return [p for n, p in model.named_parameters() if ADAPTER_MARK in n]
-
-    def set_trainable(self, model, step: int, optimizer=None) -> str:
-        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
-        return self.name
 
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod

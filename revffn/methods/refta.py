@@ -33,7 +33,7 @@ from torch import nn
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
-from revffn.methods.base import Method, set_requires_grad, write_manifest
+from revffn.methods.base import Method, write_manifest
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
@@ -97,10 +97,6 @@ class ReFTAMethod(Method):
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return adapter_parameters(model)
-
-    def set_trainable(self, model, step: int, optimizer=None) -> str:
-        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
-        return self.name
 
     def export(self, model, out_dir: Path) -> None:
         """Merge ΔW into the base weights (in place), then a plain HF `save_pretrained` directory."""

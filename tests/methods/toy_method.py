@@ -14,7 +14,7 @@ from torch import nn
 from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.memory.saved import FULL, layer_saved, outside_saved
 from revffn.methods import register
-from revffn.methods.base import Method, export_hf, set_requires_grad
+from revffn.methods.base import Method, export_hf
 from revffn.models.causal_lm import CausalLM
 
 
@@ -28,10 +28,6 @@ class ToyMethod(Method):
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         embedding = model.hf.get_input_embeddings().weight
         return [p for p in model.parameters() if p is not embedding]
-
-    def set_trainable(self, model, step: int, optimizer=None) -> str:
-        set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
-        return self.name
 
     def export(self, model, out_dir: Path) -> None:
         export_hf(model, out_dir, method=self.name)
