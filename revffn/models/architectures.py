@@ -2,20 +2,34 @@
 
 Any other HF causal LM whose decoder layers have the standard `input_layernorm / self_attn /
 post_attention_layernorm / mlp` layout converts through a generic spec built on the fly.
-Adding an architecture: one file defining `SPEC`, one entry below.
+Adding an architecture: one file defining `SPEC` (or `SPECS` for a family), its name in `SPEC_FILES`.
+Whether a model then converts exactly is `revffn.models.layout.check_convertible`.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from revffn.errors import UserError
-from revffn.models import mixtral, olmoe, qwen2_moe, qwen3_moe
-from revffn.models.spec import ArchSpec, has_standard_layout
+from revffn.models.layout import missing_pieces
+from revffn.models.spec import ArchSpec
 
-ARCHITECTURES: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (qwen2_moe, qwen3_moe, mixtral, olmoe)}
-
+# the spec files under revffn/models/, each defining SPEC (or SPECS, a family)
+SPEC_FILES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "afmoe", "kolibri1", "flex_olmo", "granitemoe",
+              "granitemoehybrid", "llama4_text", "cohere2_moe", "dbrx", "jetmoe", "qwen3_next", "jamba", "lfm2_moe",
+              "minimax")
+ARCHITECTURES: dict[str, ArchSpec] = {
+    s.model_type: s
+    for m in (importlib.import_module(f"revffn.models.{name}") for name in SPEC_FILES)
+    for s in getattr(m, "SPECS", (m.SPEC,))
+}
 
 def spec_for(hf_model) -> ArchSpec:
-    """The spec for `hf_model`: its registered one, else the generic one, else a clear error."""
+    """The spec for `hf_model`: its registered one, else the generic one, else a clear error.
+
+    Raises:
+        UserError: an unregistered model type whose layers lack the standard pieces (named per layer).
+    """
     model_type = getattr(hf_model.config, "model_type", "?")
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
@@ -24,11 +38,13 @@ def spec_for(hf_model) -> ArchSpec:
         aux_loss=hasattr(hf_model.config, "router_aux_loss_coef"),
         notes="generic spec: standard input_layernorm/self_attn/post_attention_layernorm/mlp layout",
     )
-    if has_standard_layout(hf_model, generic):
+    missing = missing_pieces(hf_model, generic)
+    if not missing:
         return generic
     raise UserError(
         f"cannot convert model_type={model_type!r}: its decoder layers do not have the standard "
-        f"input_layernorm / self_attn / post_attention_layernorm / mlp layout. Supported model_types: "
-        f"{', '.join(sorted(ARCHITECTURES))} (and any HF causal LM with that standard layout). "
-        f"Fix: use one of these architectures, or add a spec file under revffn/models/."
+        f"input_layernorm / self_attn / post_attention_layernorm / mlp layout: {'; '.join(missing)}. Supported "
+        f"model_types: {', '.join(sorted(t for t, s in ARCHITECTURES.items() if not s.unsupported))} (and any HF "
+        f"causal LM with that standard layout). "
+        f"Fix: use one of these architectures, or add a spec file under revffn/models/ naming its pieces."
     )

@@ -11,7 +11,8 @@ from torch import nn
 
 from revffn.models.architectures import spec_for
 from revffn.models.convert import RevFFNOutput
-from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss
+from revffn.models.layout import logits_transform
+from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.models.spec import get_path
 from revffn.reversible.replay import RouterTap
 
@@ -29,10 +30,10 @@ class CausalLM(nn.Module):
             else aux_loss_coef
         self.chunk_tokens = chunk_tokens  # rows per chunk of the head + cross-entropy, as RevFFNForCausalLM
         self.num_experts = self.spec.num_experts(config)
-        self.top_k = getattr(config, self.spec.top_k_key, 0)
+        self.top_k = self.spec.top_k(config)
         self._taps = []
         for layer in get_path(hf_model, self.spec.layers):
-            router = getattr(getattr(layer, self.spec.mlp), self.spec.router, None)
+            router = get_path(layer, f"{self.spec.mlp}.{self.spec.router}", None)
             if isinstance(router, nn.Module) and self.num_experts:
                 self._taps.append(RouterTap(router, self.num_experts, self.spec.router_logits_index))
 
@@ -59,10 +60,12 @@ class CausalLM(nn.Module):
                 aux.add(tap.logits if trainable else tap.logits.detach())
             out.aux_loss = aux.value()
         if labels is not None:
-            out.loss_sum, out.n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens)
+            out.loss_sum, out.n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,
+                                                        *logits_transform(self.spec, self.hf.config))
             out.loss = out.loss_sum / out.n_tokens.clamp(min=1)
             if out.aux_loss is not None and out.aux_loss.requires_grad:
                 out.loss = out.loss + self.aux_loss_coef * out.aux_loss
         if return_logits:
-            out.logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+            out.logits = head_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden, head,
+                                     *logits_transform(self.spec, self.hf.config))
         return out

@@ -6,12 +6,15 @@ Every decoder layer becomes an `HFRevBlock` on two half-width streams (X_1, X_2)
     G(Y_1) = P_down_moe( MoE( post_attention_layernorm( P_up_moe(Y_1) ) ) )
 
 The pretrained norms, attention (RoPE, causal and padding masks) and MoE block (router, experts,
-shared expert) run unchanged at full width d. Only the projection adapters P_up (d/2 -> d) and
+shared expert) run unchanged at full width d; the spec names them where they differ (post-norms,
+a hybrid stack's other token mixers, branch multipliers: `models.layout`), and `convert` refuses
+a model with anything the spec does not use. Only the projection adapters P_up (d/2 -> d) and
 P_down (d -> d/2) are new. The HF decoder layer stays reachable as `block.base_layer` (as PEFT
 keeps `base_layer`), in place inside the HF model, so its parameter names only gain `base_layer.`.
 
 The embedding output is split along features into X_1, X_2; at the end concat(Y_1, Y_2) feeds
-the pretrained final norm and LM head.
+the pretrained final norm and LM head (embedding and logit multipliers applied where the spec
+names them).
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from transformers import masking_utils
 
 from revffn.errors import UserError
 from revffn.models.architectures import spec_for
-from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss
-from revffn.models.spec import ArchSpec, get_path
+from revffn.models.layout import attn_branch, check_convertible, logits_transform, mlp_branch
+from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
+from revffn.models.spec import ArchSpec, config_value, get_path
 from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("coordinate", "zero", "random")
 ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
+LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 
 
 def init_adapters(block: HFRevBlock, how: str) -> None:
@@ -78,16 +83,29 @@ def init_adapters(block: HFRevBlock, how: str) -> None:
 
 
 class HFRevBlock(RevBlock):
-    """An HF decoder layer as a reversible block: F = attention branch, G = MoE (or MLP) branch."""
+    """An HF decoder layer as a reversible block: F = attention (token-mixer) branch, G = MoE (or MLP)
+    branch, each between its projection adapters (`layout.attn_branch` / `layout.mlp_branch` at width d):
+
+        F(X_2) = P_down_attn( attn_branch( P_up_attn(X_2) ) )
+        G(Y_1) = P_down_moe( mlp_branch( P_up_moe(Y_1) ) )
+
+    A layer whose token mixer is one of `spec.mixers` (linear attention, SSM, convolution) takes the
+    2-D padding mask, under the `linear_attention` mask key, as in HF.
+    """
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
-                 hidden_size: int, mask_key: str, tap: RouterTap | None):
+                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None):
         super().__init__()
         if hidden_size % 2:
             raise UserError(f"hidden_size={hidden_size} is odd; RevFFN splits it into two equal streams.")
         self.base_layer = base_layer
         self.spec = spec
+        self.mixer = spec.mixer_name(base_layer) or spec.attn
+        if self.mixer in spec.mixers:
+            mask_key = LINEAR_MASK
         self.layer_idx, self.num_layers, self.mask_key = layer_idx, num_layers, mask_key
+        self.branch_scale = float(config_value(config, spec.branch_scale_key, 1.0))
+        self.branch_dropout = float(config_value(config, spec.branch_dropout_key, 0.0))
         self.router_tap = tap
         ref = next(base_layer.parameters())
         h, d = hidden_size // 2, hidden_size
@@ -96,22 +114,22 @@ class HFRevBlock(RevBlock):
         self.p_up_moe, self.p_down_moe = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
 
     def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
-        base, spec = self.base_layer, self.spec
+        mask = sctx.masks[self.mask_key]
+        if self.mask_key == LINEAR_MASK and mask is not None and mask.ndim != 2:
+            raise UserError(f"cannot convert model_type={self.spec.model_type!r}: layer {self.layer_idx}'s token "
+                            f"mixer `{self.mixer}` needs the 2-D padding mask, but the converted model built a "
+                            f"{mask.ndim}-D one for `{LINEAR_MASK}` layers. Fix: train without padding (pack the "
+                            f"sequences), or use a revffn version that builds the linear-attention mask.")
         with sctx.autocast():
             x = self.p_up_attn(X_2.to(self.p_up_attn.weight.dtype))
-            x = getattr(base, spec.attn_norm)(x)
-            x = getattr(base, spec.attn)(hidden_states=x, position_embeddings=sctx.position_embeddings,
-                                         attention_mask=sctx.masks[self.mask_key])[0]
+            x = attn_branch(self.base_layer, self.spec, self.mixer, x, sctx.position_embeddings, mask,
+                            self.branch_scale, self.branch_dropout)
             return self.p_down_attn(x).to(X_2.dtype)
 
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
-        base, spec = self.base_layer, self.spec
         with sctx.autocast():
             x = self.p_up_moe(Y_1.to(self.p_up_moe.weight.dtype))
-            x = getattr(base, spec.mlp_norm)(x)
-            x = getattr(base, spec.mlp)(x)
-            if isinstance(x, tuple):  # older MoE blocks return (hidden, router_logits)
-                x = x[0]
+            x = mlp_branch(self.base_layer, self.spec, x, self.branch_scale, self.branch_dropout)
             return self.p_down_moe(x).to(Y_1.dtype)
 
 
@@ -191,15 +209,18 @@ class RevFFNForCausalLM(nn.Module):
         self.debug = DebugOptions()
         self.last_stack_stats: dict = {}
         layers = get_path(hf_model, spec.layers)
+        if any(isinstance(layer, RevBlock) for layer in layers):
+            raise UserError("this model is already converted to RevFFN.")
+        check_convertible(hf_model, spec)
         n_exp = spec.num_experts(config)
-        self.num_experts, self.top_k = n_exp, getattr(config, spec.top_k_key, 0)
+        self.num_experts, self.top_k = n_exp, spec.top_k(config)
+        self.embed_scale = float(config_value(config, spec.embed_scale_key, 1.0))
+        self.logits_scale, self.logits_softcap = logits_transform(spec, config)
         for i, layer in enumerate(layers):
-            if isinstance(layer, RevBlock):
-                raise UserError("this model is already converted to RevFFN.")
-            router = getattr(getattr(layer, spec.mlp), spec.router, None)
+            router = get_path(layer, f"{spec.mlp}.{spec.router}", None)
             tap = RouterTap(router, n_exp, spec.router_logits_index) \
                 if isinstance(router, nn.Module) and n_exp else None
-            block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap)
+            block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config)
             init_adapters(block, adapter_init)
             layers[i] = block
 
@@ -252,6 +273,8 @@ class RevFFNForCausalLM(nn.Module):
         hf, spec = self.hf, self.spec
         B, T = input_ids.shape
         embeds = get_path(hf, spec.embed)(input_ids)
+        if self.embed_scale != 1.0:  # granite's embedding_multiplier
+            embeds = embeds * self.embed_scale
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         sctx = self._context(embeds, attention_mask, position_ids)
@@ -268,7 +291,8 @@ class RevFFNForCausalLM(nn.Module):
             hidden = norm(torch.cat([Y_1, Y_2], dim=-1).to(norm.weight.dtype))
             out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None)
             if labels is not None:
-                loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens)
+                loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,
+                                                   self.logits_scale, self.logits_softcap)
                 out.loss_sum, out.n_tokens = loss_sum, n_tokens
                 out.loss = loss_sum / n_tokens.clamp(min=1)
                 if out.aux_loss is not None:
@@ -277,7 +301,8 @@ class RevFFNForCausalLM(nn.Module):
                     else:
                         out.aux_loss = aux.detach()
             if return_logits:
-                out.logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+                out.logits = head_logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden, head,
+                                         self.logits_scale, self.logits_softcap)
         return out
 
     def routing_flips(self) -> int:

@@ -18,19 +18,38 @@ IGNORE_INDEX = -100
 CHUNK_TOKENS = 1024  # rows of (hidden -> logits -> loss) at a time; shared by every model wrapper
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor) -> torch.Tensor:
+def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, scale: float = 1.0,
+                softcap: float | None = None) -> torch.Tensor:
+    """The LM head's logits, scaled (granite's 1 / `logits_scaling`, cohere's `logit_scale`) and
+    soft-capped (softcap * tanh(logits / softcap)) where the architecture does so."""
+    logits = head(hidden)
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, scale: float = 1.0,
+                softcap: float | None = None) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()  # (n, V), fp32 only for this chunk
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor,
-                   chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_tokens: int = CHUNK_TOKENS, scale: float = 1.0,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy and the number of predicted tokens.
 
     Args:
         hidden: (B, T, d) final hidden states (after the final norm).
         head: the LM head.
         labels: (B, T) token ids, IGNORE_INDEX where no loss is taken; shifted here.
+        scale, softcap: the architecture's logit scaling and soft-capping (see `head_logits`).
     Returns:
         (loss_sum, n_tokens): divide to get the mean; keep them apart for gradient accumulation.
     """
@@ -41,9 +60,10 @@ def causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Te
     for start in range(0, h.shape[0], chunk_tokens):
         hs, ys = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, hs, head.weight, head.bias, ys, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, hs, head.weight, head.bias, ys, scale, softcap,
+                                       use_reentrant=False)
         else:
-            total = total + _chunk_loss(hs, head.weight, head.bias, ys)
+            total = total + _chunk_loss(hs, head.weight, head.bias, ys, scale, softcap)
     return total, n_tokens
 
 

@@ -6,7 +6,10 @@ padded) in train mode twice from the same RNG seed: the plain twin (`model.rever
 then the reversible stack. Loss and EVERY parameter gradient are compared (max relative error per
 parameter, as `revffn check` does). Status:
 
-    exact        max relative grad error <= 1e-5 and equal loss, and nothing of the HF model left out
+    exact        max relative grad error <= 1e-5 and equal loss, and nothing of the HF model left out;
+                 an fp32 error up to 1e-3 counts when the same setting with fp64 residual streams is
+                 <= 1e-5: it is the rounding of rebuilding X_1 = Y_1 - F(X_2) in fp32 when the
+                 branch output dwarfs the stream (`fp32_rounding`, `fp64_stream_error`)
     wrong        a silent error: the reversible gradients differ (the worst outcome)
     unfaithful   exact against the plain twin, but the converted model silently leaves out part of
                  the HF one (a post-norm, a multiplier, a residual weight: see the gaps below)
@@ -43,7 +46,9 @@ from torch.overrides import TorchFunctionMode
 from revffn.errors import UserError
 from revffn.models.architectures import spec_for
 from revffn.models.convert import convert
-from revffn.models.spec import get_path
+from revffn.models.layout import check_convertible, logits_transform, reference_layer
+from revffn.models.loss import head_logits
+from revffn.models.spec import config_value, get_path
 from revffn.models.tiny_any import STOCHASTIC, moe_model_types, stochastic_keys, tiny_model_for
 from revffn.reports.check import make_batch
 
@@ -56,6 +61,7 @@ WITH_DIM = (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)  # with a 
 STATUSES = ("exact", "wrong", "unfaithful", "refused", "crash", "build-error")
 GAPS = ("layer_gap", "embed_gap", "logits_gap")
 GAP_TOL = 1e-4  # fp32 recomputation of the same ops agrees to ~1e-6
+ROUNDING_TOL = 1e-3  # above TOL but below this, fp32 streams are rechecked as fp64 (see _run)
 
 
 class SweepTimeout(Exception):
@@ -171,15 +177,17 @@ def layout_gaps(hf, spec, ids, mask) -> dict[str, float | None]:
     """How far the HF model is from what the converted one computes around its streams, at full
     width in eval mode, as max |ref - hf| / max |hf|; 0 when nothing is left out:
 
-    - layer_gap: every decoder layer against h + a + mlp(mlp_norm(h + a)), a = attn(attn_norm(h)),
-      with the kwargs HF passed it (F and G at full width);
-    - embed_gap: the first layer's input against `spec.embed(ids)` (embedding multipliers);
-    - logits_gap: HF's logits against `spec.head(spec.final_norm(last layer's output))` (logit
-      scaling, soft-capping).
+    - layer_gap: every decoder layer against what its spec says it computes (`layout.reference_layer`:
+      h + a + mlp_branch(h + a), a = attn_branch(h), with post-norms, multipliers, ...), with the
+      kwargs HF passed it (F and G at full width);
+    - embed_gap: the first layer's input against `spec.embed(ids)` (times the embedding multiplier);
+    - logits_gap: HF's logits against the head on `spec.final_norm(last layer's output)`, scaled and
+      soft-capped as the spec says (`layout.logits_transform`).
     None where not measurable (the reference itself fails).
     """
     layers = get_path(hf, spec.layers)
     seen: list = []
+    config = hf.config
 
     def hook(module, args, kwargs, output):
         h = args[0] if args else kwargs.get("hidden_states")
@@ -188,12 +196,15 @@ def layout_gaps(hf, spec, ids, mask) -> dict[str, float | None]:
     def rel(ref, y) -> float:
         return ((ref - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
 
-    def standard(layer, h, kw):
-        a = getattr(layer, spec.attn)(hidden_states=getattr(layer, spec.attn_norm)(h),
-                                      position_embeddings=kw.get("position_embeddings"),
-                                      attention_mask=kw.get("attention_mask"))[0]
-        m = getattr(layer, spec.mlp)(getattr(layer, spec.mlp_norm)(h + a))
-        return h + a + (m[0] if isinstance(m, tuple) else m)
+    def reference(layer, h, kw):
+        return reference_layer(layer, spec, config, h, kw.get("position_embeddings"), kw.get("attention_mask"))
+
+    def embed(ids):
+        return get_path(hf, spec.embed)(ids) * float(config_value(config, spec.embed_scale_key, 1.0))
+
+    def head(last):
+        return head_logits(get_path(hf, spec.final_norm)(last), get_path(hf, spec.head),
+                           *logits_transform(spec, config))
 
     gaps: dict[str, float | None] = {"layer_gap": None, "embed_gap": None, "logits_gap": None}
     handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in layers]
@@ -202,10 +213,9 @@ def layout_gaps(hf, spec, ids, mask) -> dict[str, float | None]:
         hf.eval()
         with torch.no_grad():
             logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            for key, fn in (("embed_gap", lambda: rel(get_path(hf, spec.embed)(ids), seen[0][1])),
-                            ("logits_gap", lambda: rel(get_path(hf, spec.head)(
-                                get_path(hf, spec.final_norm)(seen[-1][3])), logits)),
-                            ("layer_gap", lambda: max(rel(standard(m, h, kw), y) for m, h, kw, y in seen))):
+            for key, fn in (("embed_gap", lambda: rel(embed(ids), seen[0][1])),
+                            ("logits_gap", lambda: rel(head(seen[-1][3]), logits)),
+                            ("layer_gap", lambda: max(rel(reference(m, h, kw), y) for m, h, kw, y in seen))):
                 with contextlib.suppress(Exception):
                     gaps[key] = fn()
     except Exception:
@@ -256,7 +266,8 @@ def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: 
     row["layers"] = getattr(hf.config, "num_hidden_layers", None)
     ids, mask, labels = make_batch(hf.config.vocab_size, batch, seq, seed)
     row["stage"] = "convert"
-    spec = spec_for(hf)  # the UserError convert would raise, before the probes below
+    spec = spec_for(hf)  # the UserErrors convert would raise, before the probes below
+    check_convertible(hf, spec)
     if diagnose:
         row.update(layout_gaps(hf, spec, ids, mask))
         row["hf_no_grad"] = _hf_no_grad(hf, ids, mask, labels)
@@ -285,9 +296,28 @@ def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: 
                                  "rng_replayed": getattr(model, "has_dropout", None)}  # None: the engine decides
         del model, hf  # the next setting builds its own
     row["stage"] = "compare"
-    name, worst = max(row["variants"].items(), key=lambda kv: (kv[1]["max_rel_grad_error"], kv[1]["loss_diff"]))
-    row.update(max_rel_grad_error=worst["max_rel_grad_error"], worst_param=worst["worst_param"],
-               loss_diff=max(v["loss_diff"] for v in row["variants"].values()))
+    for name, v in row["variants"].items():
+        if TOL < v["max_rel_grad_error"] <= ROUNDING_TOL and v["loss_diff"] <= TOL:
+            # fp32 streams lose the low bits of X_1 = Y_1 - F(X_2) when |F| >> |X_1| (a post-normed
+            # branch on a tiny random model's 0.02-scale embeddings); fp64 streams rebuild X exactly,
+            # so the same setting there separates that rounding from a real error (unreplayed noise
+            # stays wrong)
+            row["stage"] = f"reversible fp64 streams ({name})"
+            v["fp64_stream_error"] = _stream_fp64_error(model_type, seed, settings[name], ids, mask, labels)
+    row["stage"] = "compare"
+
+    def judged(v: dict) -> float:  # the fp32 error, or the fp64 one where that separated rounding out
+        fp64 = v.get("fp64_stream_error")
+        return fp64 if fp64 is not None and fp64 <= TOL else v["max_rel_grad_error"]
+
+    name, worst = max(row["variants"].items(), key=lambda kv: (judged(kv[1]), kv[1]["loss_diff"]))
+    row.update(max_rel_grad_error=max(v["max_rel_grad_error"] for v in row["variants"].values()),
+               worst_param=worst["worst_param"], loss_diff=max(v["loss_diff"] for v in row["variants"].values()))
+    rounding = [v for v in row["variants"].values() if judged(v) != v["max_rel_grad_error"]]
+    if rounding:
+        row["fp32_rounding"] = max(v["max_rel_grad_error"] for v in rounding)
+        row["fp64_stream_error"] = max(v["fp64_stream_error"] for v in rounding)
+    worst = {**worst, "max_rel_grad_error": judged(worst)}
     if worst["max_rel_grad_error"] <= TOL and row["loss_diff"] <= TOL:
         left_out = [f"{k} {row[k]:.2g}" for k in GAPS if (row.get(k) or 0) > GAP_TOL]
         left_out += [f"no gradient for {', '.join(row['no_grad'])}"] if row.get("no_grad") else []
@@ -303,6 +333,22 @@ def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: 
     row["reason"] = f"with {what}: gradient of {worst['worst_param']} off by {worst['max_rel_grad_error']:.3g}"
     if worst["rng_used"] and worst["rng_replayed"] is False:
         row["reason"] += " (the forward drew random numbers; the engine did not replay them)"
+
+
+def compare(model, ids, mask, labels, seed: int = 0) -> tuple[float, str | None, float]:
+    """One training step of a converted `model` as the plain twin and reversibly, from the same seed:
+    (max relative gradient error, its parameter, |loss difference|)."""
+    model.train()
+    loss_plain, g_plain, _, _ = _step(model, ids, mask, labels, False, seed)
+    loss_rev, g_rev, _, _ = _step(model, ids, mask, labels, True, seed)
+    err, worst = grad_error(g_plain, g_rev)
+    return err, worst, abs(loss_rev - loss_plain)
+
+
+def _stream_fp64_error(model_type: str, seed: int, stochastic, ids, mask, labels) -> float:
+    """The reversible-vs-plain gradient error of one randomness setting with fp64 residual streams."""
+    model = convert(tiny_model_for(model_type, seed=seed, stochastic=stochastic), stream_dtype=torch.float64)
+    return compare(model, ids, mask, labels, seed)[0]
 
 
 def _hf_no_grad(hf, ids, mask, labels) -> list[str] | None:

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 LEGEND = {
-    "exact": "reversible gradients equal the plain twin's (max relative error <= 1e-5), nothing of the HF model "
-             "left out",
+    "exact": "reversible gradients equal the plain twin's (max relative error <= 1e-5; or <= 1e-3 from fp32 "
+             "rounding, when fp64 residual streams give <= 1e-5), nothing of the HF model left out",
     "wrong": "the reversible gradients differ from the plain twin's, silently: the worst outcome",
     "unfaithful": "exact against the plain twin, but the converted model silently leaves out part of the HF one",
     "refused": "`convert` raised a clear `UserError`",
@@ -33,6 +33,9 @@ def _notes(r: dict) -> str:
             where += f", from {r['revffn_frame']}"  # where the engine called in
         return _short(r["reason"] + where, 260 if r["status"] == "crash" else 160)
     notes = [r["reason"]] if r.get("reason") else []
+    if r.get("fp32_rounding") is not None:
+        notes.append(f"fp32-stream rounding {r['fp32_rounding']:.1e} (branch output >> stream); "
+                     f"fp64 streams {r['fp64_stream_error']:.1e}")
     if r.get("discrete_ops_unrecorded"):
         notes.append(f"{r['discrete_ops_unrecorded']} top-k/argmax/sort choices not replayed")
     return _short("; ".join(notes), 240)
