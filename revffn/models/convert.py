@@ -120,14 +120,15 @@ class DebugOptions:
     """Debug and measurement knobs of `RevFFNForCausalLM` (`model.debug`); the defaults train.
 
     Attributes:
-        routing_replay: reuse the forward's router top-k in the reversible backward. False only to
-            show what replay prevents (tests).
+        routing_replay: reuse, in the reversible backward, every choice the forward's sub-blocks made
+            on values (router top-k wherever the router lives, indexer top-k, max / argmax / sort;
+            `reversible.replay`). False only to show what replay prevents (tests).
         rng_replay: re-run each sub-block that drew random numbers (dropout, router jitter, any op)
             from its recorded RNG state in the reversible backward. False only as the negative
             control of the RNG tests: the recomputation then draws fresh noise and the gradients
             are wrong. The states are recorded either way (`last_stack_stats["rng_bytes"]`).
-        track_routing_flips: count the tokens whose top-k on the rebuilt input differs from the
-            recorded one; read `model.routing_flips()` after backward.
+        track_routing_flips: count the choices (a token's top-k, a row's max ...) that the rebuilt
+            input would have made differently; read `model.routing_flips()` after backward.
         stack_scope: a context-manager factory entered around the decoder stack only, e.g. the
             saved-tensor hooks of `memory.measure.saved_bytes_of_stack`.
     """
@@ -197,8 +198,7 @@ class RevFFNForCausalLM(nn.Module):
             if isinstance(layer, RevBlock):
                 raise UserError("this model is already converted to RevFFN.")
             router = getattr(getattr(layer, spec.mlp), spec.router, None)
-            tap = RouterTap(router, n_exp, spec.router_logits_index) \
-                if isinstance(router, nn.Module) and n_exp else None
+            tap = RouterTap(router, spec.router_logits_index) if isinstance(router, nn.Module) and n_exp else None
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap)
             init_adapters(block, adapter_init)
             layers[i] = block
@@ -281,8 +281,9 @@ class RevFFNForCausalLM(nn.Module):
         return out
 
     def routing_flips(self) -> int:
-        """Tokens whose rebuilt top-k differed from the record, summed over the layers, in the last
-        reversible backward (0 unless `debug.track_routing_flips` was set for it)."""
+        """Choices (a token's top-k, a row's max ...) that the rebuilt input would have made
+        differently from the record, summed over the sub-blocks, in the last reversible backward
+        (0 unless `debug.track_routing_flips` was set for it)."""
         return int(self.last_stack_stats.get("routing_flips", 0))
 
     def adapter_parameters(self):

@@ -113,3 +113,21 @@ def test_archs_cli_json(capsys):
 def test_archs_cli_bad_type_exit_2(capsys):
     assert cli.main(["archs", "--types", "not_a_type"]) == 2
     assert "not among the MoE causal-LM model types" in capsys.readouterr().err
+
+
+def test_every_choice_on_values_is_recorded():
+    """The types whose choices the backward used to take afresh (a router at `mlp.router`, an
+    indexer's top-k in attention, a `max(dim)` sparse mixer, a sink's max): the engine now records
+    every one of them; the same forward on the plain twin shows that the choices are there."""
+    from revffn.models.convert import convert
+    from revffn.models.tiny_any import tiny_model_for
+    from revffn.reports.archs import _step
+    from revffn.reports.check import make_batch
+
+    for model_type in ("aria_text", "gpt_oss", "phimoe", "axk2", "deepseek_v32", "glm_moe_dsa", "doge"):
+        model = convert(tiny_model_for(model_type))
+        model.train()
+        ids, mask, labels = make_batch(model.config.vocab_size, 2, 16, 0)
+        plain = _step(model, ids, mask, labels, False, 0, count_discrete=True)[3]
+        reversible = _step(model, ids, mask, labels, True, 0, count_discrete=True)[3]
+        assert (plain > 0, reversible) == (True, 0), (model_type, plain, reversible)
