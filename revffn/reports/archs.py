@@ -4,7 +4,7 @@ For each model type of `moe_model_types()`: build the tiny model (`tiny_model_fo
 every dropout / jitter key > 0), `convert()` it, and run one batch (2 x 16 tokens, the last row
 padded) in train mode twice from the same RNG seed: the plain twin (`model.reversible = False`),
 then the reversible stack. Loss and EVERY parameter gradient are compared (max relative error per
-parameter, as `revffn check` does). Status:
+parameter, floored as `revffn check` does: `reports.check.grad_error`). Status:
 
     exact        max relative grad error <= 1e-5 and equal loss, and nothing of the HF model left out
     wrong        a silent error: the reversible gradients differ (the worst outcome)
@@ -45,11 +45,10 @@ from revffn.models.architectures import spec_for
 from revffn.models.convert import convert
 from revffn.models.spec import get_path
 from revffn.models.tiny_any import STOCHASTIC, moe_model_types, stochastic_keys, tiny_model_for
-from revffn.reports.check import make_batch
+from revffn.reports.check import grad_error, make_batch
 
 TOL = 1e-5
 BATCH, SEQ = 2, 16
-GRAD_FLOOR = 1e-3  # see grad_error
 DISCRETE = (torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, torch.argsort, torch.Tensor.argsort,
             torch.sort, torch.Tensor.sort, torch.multinomial, torch.Tensor.multinomial)
 WITH_DIM = (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)  # with a dim they return indices
@@ -129,25 +128,6 @@ def _step(model, ids, mask, labels, reversible: bool, seed: int, count_discrete:
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.item(), grads, rng_used, (counter.outside if count_discrete else None)
-
-
-def grad_error(g_plain: dict, g_rev: dict) -> tuple[float, str | None]:
-    """Max over parameters of ||g_rev - g_plain|| / max(||g_plain||, FLOOR * largest ||g_plain||),
-    and the worst parameter's name. The floor keeps a gradient that is zero up to rounding (a top-1
-    router's: its weight is always 1) from being judged on its rounding noise. A gradient present
-    on one side only counts as an infinite error."""
-    if set(g_plain) != set(g_rev):
-        return math.inf, sorted(set(g_plain) ^ set(g_rev))[0]
-    norms = {n: g.norm().item() for n, g in g_plain.items()}
-    floor = GRAD_FLOOR * max(norms.values(), default=0.0)
-    worst, name = 0.0, None
-    for n in sorted(g_plain):
-        den = max(norms[n], floor)
-        diff = (g_rev[n] - g_plain[n]).norm().item()
-        err = diff / den if den > 0 else diff
-        if not err <= worst:  # NaN counts as worst
-            worst, name = err, n
-    return worst, name
 
 
 def _pattern(name: str) -> str:
