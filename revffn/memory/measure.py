@@ -42,7 +42,7 @@ def saved_bytes_of_stack(model):
     """Log what the decoder stack of a `RevFFNForCausalLM` saves for backward (params excluded).
 
     Yields the log; after the forward, `log.bytes(model.last_stack_stats.get("record_storages"))`
-    gives the activation bytes without the records (routing top-k and RNG states; their sizes are
+    gives the activation bytes without the records (choice indices and RNG states; their sizes are
     `last_stack_stats["record_bytes"]` and `["rng_bytes"]`).
     """
     log = SavedTensorLog(model.parameters())

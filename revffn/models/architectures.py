@@ -12,7 +12,7 @@ import importlib
 
 from revffn.errors import UserError
 from revffn.models.layout import missing_pieces
-from revffn.models.spec import ArchSpec
+from revffn.models.spec import ArchSpec, get_path
 
 # the spec files under revffn/models/, each defining SPEC (or SPECS, a family)
 SPEC_FILES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "afmoe", "kolibri1", "flex_olmo", "granitemoe",
@@ -36,6 +36,8 @@ def spec_for(hf_model) -> ArchSpec:
     generic = ArchSpec(
         model_type=model_type,
         aux_loss=hasattr(hf_model.config, "router_aux_loss_coef"),
+        # no model-level RoPE (NoPE, or positions inside the mixers): position_embeddings is None
+        rotary=ArchSpec.rotary if get_path(hf_model, ArchSpec.rotary, None) is not None else None,
         notes="generic spec: standard input_layernorm/self_attn/post_attention_layernorm/mlp layout",
     )
     missing = missing_pieces(hf_model, generic)

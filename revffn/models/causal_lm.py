@@ -35,7 +35,7 @@ class CausalLM(nn.Module):
         for layer in get_path(hf_model, self.spec.layers):
             router = get_path(layer, f"{self.spec.mlp}.{self.spec.router}", None)
             if isinstance(router, nn.Module) and self.num_experts:
-                self._taps.append(RouterTap(router, self.num_experts, self.spec.router_logits_index))
+                self._taps.append(RouterTap(router, self.spec.router_logits_index))
 
     @property
     def config(self):

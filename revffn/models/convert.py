@@ -138,14 +138,15 @@ class DebugOptions:
     """Debug and measurement knobs of `RevFFNForCausalLM` (`model.debug`); the defaults train.
 
     Attributes:
-        routing_replay: reuse the forward's router top-k in the reversible backward. False only to
-            show what replay prevents (tests).
+        routing_replay: reuse, in the reversible backward, every choice the forward's sub-blocks made
+            on values (router top-k wherever the router lives, indexer top-k, max / argmax / sort;
+            `reversible.replay`). False only to show what replay prevents (tests).
         rng_replay: re-run each sub-block that drew random numbers (dropout, router jitter, any op)
             from its recorded RNG state in the reversible backward. False only as the negative
             control of the RNG tests: the recomputation then draws fresh noise and the gradients
             are wrong. The states are recorded either way (`last_stack_stats["rng_bytes"]`).
-        track_routing_flips: count the tokens whose top-k on the rebuilt input differs from the
-            recorded one; read `model.routing_flips()` after backward.
+        track_routing_flips: count the choices (a token's top-k, a row's max ...) that the rebuilt
+            input would have made differently; read `model.routing_flips()` after backward.
         stack_scope: a context-manager factory entered around the decoder stack only, e.g. the
             saved-tensor hooks of `memory.measure.saved_bytes_of_stack`.
     """
@@ -180,6 +181,90 @@ def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
     return kw
 
 
+def _mask_for(layer_type: str, config, embeds, attention_mask, position_ids):
+    """The mask HF gives layers of `layer_type`: its builder in transformers' layer-pattern table
+    (causal, sliding-window, chunked; the raw 2-D padding mask for linear-attention / SSM / conv
+    layers), a causal mask for a type the table does not know. A dict entry builds a dict of masks."""
+    table = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    fn = table.get(layer_type, masking_utils.create_causal_mask)
+    if isinstance(fn, dict):
+        return {k: f(**_mask_fn_kwargs(f, config, embeds, attention_mask, position_ids)) for k, f in fn.items()}
+    return fn(**_mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids))
+
+
+# Decoder-layer forward inputs a reversible block gives (or that do not matter in training).
+LAYER_INPUTS = frozenset(("self", "hidden_states", "attention_mask", "position_ids", "position_embeddings",
+                          "past_key_values", "past_key_value", "cache", "use_cache", "cache_position",
+                          "output_attentions", "output_router_logits"))
+# Inputs that carry state from an earlier layer only in the layers a config list marks:
+# name -> (config key, marking value). Elsewhere the layer computes the state itself.
+CROSS_LAYER_INPUTS = {"prev_topk_indices": ("indexer_types", "shared")}
+
+
+def check_layer_inputs(layer: nn.Module, layer_idx: int, config) -> None:
+    """Refuse a decoder layer that needs an input other than its hidden states, masks and position
+    embeddings: state handed from an earlier layer (reused DSA top-k indices, a previous router's
+    hidden states) or an extra per-layer input. A reversible block is rebuilt from its own output
+    alone, so it cannot receive it.
+
+    Raises:
+        UserError: naming the layer, the input and why.
+    """
+    model_type = getattr(config, "model_type", "?")
+    for name, p in inspect.signature(layer.forward).parameters.items():
+        if name in LAYER_INPUTS or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        if name in CROSS_LAYER_INPUTS:
+            key, marked = CROSS_LAYER_INPUTS[name]
+            values = getattr(config, key, None) or ()
+            if not (layer_idx < len(values) and values[layer_idx] == marked):
+                continue  # this layer computes it itself
+            why = (f"config.{key}[{layer_idx}] is {marked!r}: the layer reuses `{name}` computed by an earlier "
+                   f"layer")
+        else:
+            why = f"its forward takes `{name}`, an input beside the hidden states, masks and position embeddings"
+        raise UserError(f"cannot convert model_type={model_type!r}: decoder layer {layer_idx} needs state or inputs "
+                        f"a reversible block cannot give it ({why}). A reversible block is recomputed from its "
+                        f"own output alone. Fix: none in revffn yet; this architecture is not supported.")
+
+
+@dataclass(frozen=True)
+class RopePlan:
+    """How `_context` calls the model-level rotary embedding.
+
+    - no rotary module (`module` None): position_embeddings is None (NoPE, or attention that
+      computes its own);
+    - `keys` None: one call, `rotary(x, position_ids)`, shared by every layer;
+    - `keys`: one call per key, `rotary(x, position_ids, layer_type=key)`, as a dict. With
+      `per_layer` each block reads its own layer type's entry (Gemma3 / Laguna style); without,
+      every block gets the whole dict (DeepSeek-V4: rope keys that are not layer types).
+    """
+
+    module: nn.Module | None
+    keys: tuple[str, ...] | None = None
+    per_layer: bool = False
+
+    @classmethod
+    def of(cls, hf_model: nn.Module, spec: ArchSpec) -> RopePlan:
+        rotary = get_path(hf_model, spec.rotary, None) if spec.rotary else None
+        if rotary is None:
+            return cls(None)
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            return cls(rotary)
+        types = tuple(getattr(hf_model.config, "layer_types", None) or ())
+        own = tuple(getattr(rotary, "layer_types", None) or sorted(set(types)))
+        if types and set(types) <= set(own):
+            return cls(rotary, tuple(sorted(set(types))), per_layer=True)
+        return cls(rotary, own)
+
+    def __call__(self, embeds: torch.Tensor, position_ids: torch.Tensor):
+        if self.module is None:
+            return None
+        if self.keys is None:
+            return self.module(embeds, position_ids)
+        return {k: self.module(embeds, position_ids, layer_type=k) for k in self.keys}
+
+
 class RevFFNForCausalLM(nn.Module):
     """A converted model. `reversible=False` switches training to the plain-autograd twin.
 
@@ -211,16 +296,19 @@ class RevFFNForCausalLM(nn.Module):
         layers = get_path(hf_model, spec.layers)
         if any(isinstance(layer, RevBlock) for layer in layers):
             raise UserError("this model is already converted to RevFFN.")
+        for i, layer in enumerate(layers):  # inputs a reversible block cannot give first, then the layout
+            check_layer_inputs(layer, i, config)
         check_convertible(hf_model, spec)
         n_exp = spec.num_experts(config)
         self.num_experts, self.top_k = n_exp, spec.top_k(config)
         self.embed_scale = float(config_value(config, spec.embed_scale_key, 1.0))
         self.logits_scale, self.logits_softcap = logits_transform(spec, config)
+        self.rope = RopePlan.of(hf_model, spec)
         for i, layer in enumerate(layers):
             router = get_path(layer, f"{spec.mlp}.{spec.router}", None)
-            tap = RouterTap(router, n_exp, spec.router_logits_index) \
-                if isinstance(router, nn.Module) and n_exp else None
+            tap = RouterTap(router, spec.router_logits_index) if isinstance(router, nn.Module) and n_exp else None
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config)
+            block.position_key = config.layer_types[i] if self.rope.per_layer else None
             init_adapters(block, adapter_init)
             layers[i] = block
 
@@ -251,18 +339,16 @@ class RevFFNForCausalLM(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def _context(self, embeds, attention_mask, position_ids) -> StackContext:
         config = self.hf.config
-        masks = {}
-        for key in sorted({b.mask_key for b in self.blocks}):
-            fn = masking_utils.create_sliding_window_causal_mask if key == "sliding_attention" \
-                else masking_utils.create_causal_mask
-            masks[key] = fn(**_mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids))
-        position_embeddings = get_path(self.hf, self.spec.rotary)(embeds, position_ids)
+        masks = {key: _mask_for(key, config, embeds, attention_mask, position_ids)
+                 for key in sorted({b.mask_key for b in self.blocks})}
+        position_embeddings = self.rope(embeds, position_ids)
         aux = None
         if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts:
             row_mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float32)
             aux = SwitchAux(self.num_experts, self.top_k, row_mask,
                             differentiable=self.router_trainable() and torch.is_grad_enabled())
-        return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux)
+        return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
+                            per_layer_position=self.rope.per_layer)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True, probe=None,
@@ -306,8 +392,9 @@ class RevFFNForCausalLM(nn.Module):
         return out
 
     def routing_flips(self) -> int:
-        """Tokens whose rebuilt top-k differed from the record, summed over the layers, in the last
-        reversible backward (0 unless `debug.track_routing_flips` was set for it)."""
+        """Choices (a token's top-k, a row's max ...) that the rebuilt input would have made
+        differently from the record, summed over the sub-blocks, in the last reversible backward
+        (0 unless `debug.track_routing_flips` was set for it)."""
         return int(self.last_stack_stats.get("routing_flips", 0))
 
     def adapter_parameters(self):

@@ -2,8 +2,7 @@
 (an MoE every other layer), normed by `pre_ff_layernorm`; the final norm is `final_layernorm`.
 Mamba layers get the 2-D padding mask.
 
-Jamba has no RoPE: `model.rotary_emb` is absent, so `convert` refuses it until the model-level
-context runs without one (then set `rotary=None` here).
+Jamba has no RoPE (`rotary=None`): its attention layers get `position_embeddings=None`, as in HF.
 """
 
 from revffn.models.spec import ArchSpec
@@ -11,6 +10,7 @@ from revffn.models.spec import ArchSpec
 SPEC = ArchSpec(
     model_type="jamba",
     final_norm="model.final_layernorm",
+    rotary=None,
     mixers=("mamba",),
     mlp_norm="pre_ff_layernorm",
     mlp="feed_forward",

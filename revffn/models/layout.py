@@ -175,10 +175,11 @@ def missing_pieces(hf_model, spec: ArchSpec) -> list[str]:
 
 
 def missing_model_pieces(hf_model, spec: ArchSpec) -> list[str]:
-    """The model-level pieces the spec names that the model lacks (embedding, final norm, head, RoPE)."""
+    """The model-level pieces the spec names that the model lacks (embedding, final norm, head). A missing
+    rotary embedding is allowed: NoPE models (jamba, granite-hybrid with `position_embedding_type: nope`)
+    and mixers that place positions themselves get `position_embeddings=None`, as HF passes them."""
     out = []
-    for what, path in (("embedding", spec.embed), ("final norm", spec.final_norm), ("LM head", spec.head),
-                       ("rotary embedding", spec.rotary)):
+    for what, path in (("embedding", spec.embed), ("final norm", spec.final_norm), ("LM head", spec.head)):
         if path and not isinstance(get_path(hf_model, path, None), nn.Module):
             out.append(f"the model has no {what} at `{path}`")
     return out

@@ -33,7 +33,7 @@ class ArchSpec:
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
-    rotary: str = "model.rotary_emb"
+    rotary: str | None = "model.rotary_emb"  # None: no model-level RoPE (position_embeddings is None)
     head: str = "lm_head"
     attn_norm: str | None = "input_layernorm"  # None: no pre-norm (flex_olmo's post-norm-only layout)
     attn: str = "self_attn"

@@ -4,7 +4,7 @@ For each model type of `moe_model_types()`: build the tiny model (`tiny_model_fo
 every dropout / jitter key > 0), `convert()` it, and run one batch (2 x 16 tokens, the last row
 padded) in train mode twice from the same RNG seed: the plain twin (`model.reversible = False`),
 then the reversible stack. Loss and EVERY parameter gradient are compared (max relative error per
-parameter, as `revffn check` does). Status:
+parameter, floored as `revffn check` does: `reports.check.grad_error`). Status:
 
     exact        max relative grad error <= 1e-5 and equal loss, and nothing of the HF model left out;
                  an fp32 error up to 1e-3 counts when the same setting with fp64 residual streams is
@@ -19,10 +19,10 @@ parameter, as `revffn check` does). Status:
 
 Diagnostics, never part of the status: `rng_used` (the plain forward drew from the CPU generator)
 against `rng_replayed` (the engine records RNG state), per randomness setting (`variants`);
-`discrete_ops_unrecorded` (top-k / argmax / sort / max-with-dim calls on values outside the routers
-`RouterTap` records: choices the backward takes afresh); `layer_gap`, `embed_gap`, `logits_gap`
-(see `layout_gaps`); `no_grad` (trainable parameters the converted model never uses, beyond those
-the HF model itself leaves without gradient).
+`discrete_ops_unrecorded` (top-k / argmax / sort / max-with-dim / sampling calls on values in the
+reversible forward that the engine did not record: choices the backward would take afresh);
+`layer_gap`, `embed_gap`, `logits_gap` (see `layout_gaps`); `no_grad` (trainable parameters the
+converted model never uses, beyond those the HF model itself leaves without gradient).
 
     revffn archs --out docs/architectures.md --json-out archs.json
     revffn archs --types mixtral,jamba --json
@@ -50,11 +50,10 @@ from revffn.models.layout import check_convertible, logits_transform, reference_
 from revffn.models.loss import head_logits
 from revffn.models.spec import config_value, get_path
 from revffn.models.tiny_any import STOCHASTIC, moe_model_types, stochastic_keys, tiny_model_for
-from revffn.reports.check import make_batch
+from revffn.reports.check import grad_error, make_batch
 
 TOL = 1e-5
 BATCH, SEQ = 2, 16
-GRAD_FLOOR = 1e-3  # see grad_error
 DISCRETE = (torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, torch.argsort, torch.Tensor.argsort,
             torch.sort, torch.Tensor.sort, torch.multinomial, torch.Tensor.multinomial)
 WITH_DIM = (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)  # with a dim they return indices
@@ -99,71 +98,42 @@ def _where(exc: BaseException, revffn_only: bool = False) -> str:
 
 
 class DiscreteOps(TorchFunctionMode):
-    """Counts the index-choosing ops (top-k, argmax, sort, sampling) a forward calls outside the
-    routers that `RouterTap` records: decisions the backward recomputation takes afresh on a
-    rebuilt input, where a near-tie can flip."""
+    """Counts the index-choosing ops (top-k, argmax, sort, sampling) on values that a reversible
+    forward makes without the engine recording them: decisions the backward recomputation would take
+    afresh on a rebuilt input, where a near-tie can flip.
 
-    def __init__(self, routers):
+    It sits below the engine's recording mode (`reversible.replay`), which re-issues every call it
+    records from its own frame; calls from revffn's frames (those, and the load-balancing count) are
+    not counted, so what remains was made outside any recorded sub-block."""
+
+    def __init__(self):
         super().__init__()
-        self.inside, self.outside = 0, 0
-        self._handles = [h for r in routers for h in (r.register_forward_pre_hook(self._enter),
-                                                       r.register_forward_hook(self._exit, always_call=True))]
-
-    def _enter(self, module, args):
-        self.inside += 1
-
-    def _exit(self, module, args, output):
-        self.inside -= 1
+        self.outside = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with_dim = len(args) > 1 and isinstance(args[1], int) or "dim" in kwargs
         chooses = func in DISCRETE or (func in WITH_DIM and with_dim)
-        if (chooses and not self.inside and args and torch.is_tensor(args[0]) and args[0].is_floating_point()
-                and "/revffn/" not in sys._getframe(1).f_code.co_filename):  # revffn's own load-balancing count
+        if (chooses and args and torch.is_tensor(args[0]) and args[0].is_floating_point()
+                and "/revffn/" not in sys._getframe(1).f_code.co_filename):
             self.outside += 1  # a choice made on values (sorting expert indices is not one)
         return func(*args, **kwargs)
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        return super().__exit__(*exc)
 
 
 def _step(model, ids, mask, labels, reversible: bool, seed: int, count_discrete: bool = False):
     """One forward + backward from `seed`; returns loss, grads, whether the CPU generator was used,
-    and (count_discrete) the index-choosing ops outside the recorded routers."""
+    and (count_discrete) the index-choosing ops on values the engine did not record."""
     model.zero_grad(set_to_none=True)
     model.reversible = reversible
     torch.manual_seed(seed)
     before = torch.get_rng_state()
-    counter = DiscreteOps(model.routers() if hasattr(model, "routers") else []) if count_discrete \
-        else contextlib.nullcontext()
+    counter = DiscreteOps() if count_discrete else contextlib.nullcontext()
     with counter:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=False)
     rng_used = not torch.equal(before, torch.get_rng_state())
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.item(), grads, rng_used, (counter.outside if count_discrete else None)
-
-
-def grad_error(g_plain: dict, g_rev: dict) -> tuple[float, str | None]:
-    """Max over parameters of ||g_rev - g_plain|| / max(||g_plain||, FLOOR * largest ||g_plain||),
-    and the worst parameter's name. The floor keeps a gradient that is zero up to rounding (a top-1
-    router's: its weight is always 1) from being judged on its rounding noise. A gradient present
-    on one side only counts as an infinite error."""
-    if set(g_plain) != set(g_rev):
-        return math.inf, sorted(set(g_plain) ^ set(g_rev))[0]
-    norms = {n: g.norm().item() for n, g in g_plain.items()}
-    floor = GRAD_FLOOR * max(norms.values(), default=0.0)
-    worst, name = 0.0, None
-    for n in sorted(g_plain):
-        den = max(norms[n], floor)
-        diff = (g_rev[n] - g_plain[n]).norm().item()
-        err = diff / den if den > 0 else diff
-        if not err <= worst:  # NaN counts as worst
-            worst, name = err, n
-    return worst, name
 
 
 def _pattern(name: str) -> str:
@@ -280,16 +250,17 @@ def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: 
         model = convert(hf)
         model.train()
         row["stage"] = "plain" if name == "all" else f"plain ({name})"
-        loss_plain, g_plain, rng_used, discrete = _step(model, ids, mask, labels, False, seed, name == "all")
+        loss_plain, g_plain, rng_used, _ = _step(model, ids, mask, labels, False, seed)
         if not (math.isfinite(loss_plain) and all(torch.isfinite(g).all() for g in g_plain.values())):
             raise FloatingPointError(f"the plain twin's loss or gradients are not finite (loss {loss_plain})")
         if name == "all":
             row["router_taps"] = sum(getattr(b, "router_tap", None) is not None for b in model.blocks)
-            row["discrete_ops_unrecorded"] = discrete
             no_grad = {_pattern(n) for n, p in model.named_parameters() if p.requires_grad and n not in g_plain}
             row["no_grad"] = sorted(no_grad - set(row.get("hf_no_grad") or ()))
         row["stage"] = "reversible" if name == "all" else f"reversible ({name})"
-        loss_rev, g_rev, _, _ = _step(model, ids, mask, labels, True, seed)
+        loss_rev, g_rev, _, discrete = _step(model, ids, mask, labels, True, seed, name == "all")
+        if name == "all":
+            row["discrete_ops_unrecorded"] = discrete
         err, worst = grad_error(g_plain, g_rev)
         row["variants"][name] = {"max_rel_grad_error": err, "worst_param": worst and _pattern(worst),
                                  "loss_diff": abs(loss_rev - loss_plain), "rng_used": rng_used,

@@ -11,7 +11,8 @@ and is inverted exactly by
     X_1 = Y_1 - F(X_2)
 
 `RevStackFunction.forward` runs all blocks under `no_grad` and saves only the last (Y_1, Y_2),
-the compact routing records and the RNG state of each sub-block that drew random numbers.
+the compact indices of every choice each sub-block made (router top-k, indexer top-k, max ...)
+and the RNG state of each sub-block that drew random numbers.
 `RevStackFunction.backward` walks the blocks in reverse; `RevBlock.backward_pass` rebuilds each
 block's inputs from its outputs while back-propagating through F and G (minREV's scheme).
 
@@ -29,7 +30,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from revffn.reversible.replay import AutocastState, RNGState, RouterTap
+from revffn.reversible.replay import (
+    AutocastState,
+    RNGState,
+    RouterTap,
+    SubBlockRecord,
+    recording_choices,
+    replaying_choices,
+)
 
 
 @dataclass
@@ -39,19 +47,31 @@ class StackContext:
     `position_embeddings` (e.g. RoPE's (cos, sin)) and `masks` (one per attention kind) are inputs,
     not activations; they are saved once per step, not per layer. Either may be any pytree of
     tensors (and None): `tensors()` flattens them, with the aux accumulator's tensors at the end.
+    With `per_layer_position`, `position_embeddings` is a dict keyed by layer type (RoPE with a
+    different theta per layer type) and each block reads its own entry (`for_layer`), as it reads
+    its own entry of `masks`.
     """
 
     position_embeddings: object
     masks: dict[str, torch.Tensor | None]
     autocast: AutocastState
     aux: object | None = None  # a load-balancing accumulator (models.loss.SwitchAux): add/value/surrogate
-    replay_routing: bool = True  # False only to demonstrate what replay prevents (tests)
+    per_layer_position: bool = False  # position_embeddings is {layer type: embeddings}; see for_layer
+    replay_routing: bool = True  # replay the recorded choices; False only to show what replay prevents (tests)
     replay_rng: bool = True  # likewise, for the RNG records
-    track_flips: bool = False  # count tokens whose rebuilt top-k differs from the record (debug)
+    track_flips: bool = False  # count choices the rebuilt input would have changed (debug)
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
-    # filled by RevStackFunction: record_bytes (routing), rng_bytes, rng_sub_blocks [(layer_idx, "F"|"G")],
-    # record_storages (routing and RNG: to exclude from activation counts), routing_flips
+    # filled by RevStackFunction: record_bytes (choice indices, router top-k included), rng_bytes,
+    # rng_sub_blocks [(layer_idx, "F"|"G")], record_storages (choices and RNG: to exclude from
+    # activation counts), routing_flips (choices the rebuilt input would have changed)
     stats: dict = field(default_factory=dict)
+
+    def for_layer(self, position_key: str | None) -> StackContext:
+        """The context as a block whose layer type is `position_key` sees it: with per-layer-type
+        position embeddings, its own entry (every entry when `position_key` is None); else itself."""
+        if not self.per_layer_position or position_key is None:
+            return self
+        return replace(self, position_embeddings=self.position_embeddings[position_key], per_layer_position=False)
 
     def _inputs(self) -> tuple[list[torch.Tensor | None], TreeSpec]:
         return tree_flatten((self.position_embeddings, self.masks), is_leaf=lambda x: x is None)
@@ -77,6 +97,7 @@ class RevBlock(nn.Module):
 
     layer_idx: int = 0
     router_tap: RouterTap | None = None
+    position_key: str | None = None  # with position embeddings per layer type: this block's entry
 
     def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         raise NotImplementedError
@@ -84,41 +105,45 @@ class RevBlock(nn.Module):
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         raise NotImplementedError
 
-    def forward(self, X_1, X_2, sctx: StackContext, rng: list | None = None):
-        """Y_1, Y_2. With a list `rng` (the reversible forward), append F's and G's RNG records:
-        the `RNGState` from before the sub-block if it drew random numbers, else None."""
-        f_X_2 = _watched(self.F, X_2, sctx, rng)
+    def forward(self, X_1, X_2, sctx: StackContext, records: list | None = None):
+        """Y_1, Y_2. With a list `records` (the reversible forward), append F's and G's
+        `SubBlockRecord`: the indices of their choices and, if they drew random numbers, the RNG state."""
+        sctx = sctx.for_layer(self.position_key)
+        f_X_2 = _watched(self.F, X_2, sctx, records, (self.layer_idx, "F"))
         Y_1 = X_1 + f_X_2
-        g_Y_1 = _watched(self.G, Y_1, sctx, rng)
+        g_Y_1 = _watched(self.G, Y_1, sctx, records, (self.layer_idx, "G"))
         Y_2 = X_2 + g_Y_1
-        if sctx.aux is not None and self.router_tap is not None and self.router_tap.logits is not None:
-            sctx.aux.add(self.router_tap.logits)
+        logits = self.router_tap.take() if self.router_tap is not None else None
+        if sctx.aux is not None and logits is not None:
+            sctx.aux.add(logits)
         return Y_1, Y_2
 
-    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, rng=(None, None), d_aux=None):
+    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None):
         """Rebuild (X_1, X_2) from (Y_1, Y_2) and back-propagate (dY_1, dY_2) through the block.
 
-        `rng`: F's and G's RNG records from the forward (None entries: nothing to replay). Param
-        grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
+        `records`: F's and G's `SubBlockRecord` from the forward, replayed while each is recomputed.
+        Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
         """
+        sctx = sctx.for_layer(self.position_key)
         with torch.enable_grad():
             Y_1 = Y_1.detach().requires_grad_(True)
-            with _replaying_rng(rng[1]):
+            with _replaying(records[1], sctx):
                 g_Y_1 = self.G(Y_1, sctx)
+            logits = self.router_tap.take() if self.router_tap is not None else None
             outputs, grads = [g_Y_1], [dY_2]
-            if d_aux is not None and self.router_tap is not None and self.router_tap.logits is not None:
-                outputs.append(sctx.aux.surrogate(self.router_tap.logits, d_aux))
+            if d_aux is not None and logits is not None:
+                outputs.append(sctx.aux.surrogate(logits, d_aux))
                 grads.append(None)
             torch.autograd.backward(outputs, grads)
         with torch.no_grad():
             X_2 = Y_2 - g_Y_1
-            del g_Y_1, outputs  # G's output; its graph was freed by backward()
+            del g_Y_1, outputs, logits  # G's output and router logits; their graph was freed by backward()
             dY_1 = dY_1 + Y_1.grad
             Y_1.grad = None
 
         with torch.enable_grad():
             X_2.requires_grad_(True)
-            with _replaying_rng(rng[0]):
+            with _replaying(records[0], sctx):
                 f_X_2 = self.F(X_2, sctx)
             torch.autograd.backward(f_X_2, dY_1)
         with torch.no_grad():
@@ -129,76 +154,79 @@ class RevBlock(nn.Module):
         return X_1, X_2.detach(), dY_1, dX_2
 
 
-def _watched(sub_block, x, sctx: StackContext, rng: list | None):
-    """`sub_block(x, sctx)`; with a list `rng`, append its RNG record (`RNGState.used_since`).
+def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
+    """`sub_block(x, sctx)`; with a list `records`, append its `SubBlockRecord`: the indices of the
+    choices it made (`recording_choices`) and its RNG record (`RNGState.used_since`).
 
-    Watching costs two reads of the generator state and one comparison per sub-block: ~10 us on
-    CPU (the 5 KB mt19937 state, measured), far below any sub-block's own time; the CUDA state
-    adds 16 bytes, read on the host without a device sync.
+    Watching the RNG costs two reads of the generator state and one comparison per sub-block: ~10 us
+    on CPU (the 5 KB mt19937 state, measured), far below any sub-block's own time; the CUDA state
+    adds 16 bytes, read on the host without a device sync. Recording choices routes every torch call
+    of the sub-block through one Python dict lookup (`_Choice.of`).
     """
-    if rng is None:
+    if records is None:
         return sub_block(x, sctx)
     before = RNGState.capture(x.device)
-    out = sub_block(x, sctx)
-    rng.append(before.used_since())
+    with recording_choices() as choices:
+        out = sub_block(x, sctx)
+    records.append(SubBlockRecord(where, choices, before.used_since()))
     return out
 
 
-def _replaying_rng(state: RNGState | None):
-    return state.replay() if state is not None else contextlib.nullcontext()
+@contextlib.contextmanager
+def _replaying(record: SubBlockRecord, sctx: StackContext):
+    """Recompute a sub-block as the function it was in forward: its RNG state (unless
+    `sctx.replay_rng` is off) and its choices (unless `sctx.replay_routing` is off); with
+    `sctx.track_flips`, add the choices the rebuilt input would have changed to `stats["routing_flips"]`."""
+    with record.rng.replay() if record.rng is not None and sctx.replay_rng else contextlib.nullcontext():
+        if not sctx.replay_routing:
+            yield
+            return
+        with replaying_choices(record.choices, sctx.track_flips) as replay:
+            yield
+    if sctx.track_flips:
+        sctx.stats["routing_flips"] = sctx.stats.get("routing_flips", 0) + int(replay.flips)
 
 
 class RevStackFunction(torch.autograd.Function):
     """Autograd over the whole stack: saves (Y_1, Y_2) and the compact records, nothing per layer.
 
-    Records, per block: the router's top-k indices (`RouterTap`), and for each of F and G the RNG
-    state from before it ran, only if it drew random numbers (zero bytes otherwise). Both are
-    replayed in backward, so each sub-block is recomputed as the same function it was in forward.
+    Records, per sub-block (F and G of each block): the indices of the index-choosing ops it made
+    on values (top-k, sort, max with a dim, ...), and the RNG state from before it ran, only if it
+    drew random numbers (zero bytes otherwise). Both are replayed in backward, so each sub-block is
+    recomputed as the same function it was in forward.
     """
 
     @staticmethod
     def forward(ctx, X_1, X_2, blocks, sctx: StackContext, *params):
-        routing_records: list[torch.Tensor] = []
-        rng_records: list[torch.Tensor] = []
-        layout = []  # per block: (n_routing_records, RNG slots of F and G or None)
-        rng_sub_blocks = []  # (layer_idx, "F" | "G") of the sub-blocks that drew random numbers
+        per_block: list[list[SubBlockRecord]] = []  # [F's, G's] record of every block
         with torch.no_grad():
             for block in blocks:
-                rng: list[RNGState | None] = []
-                with _recording(block.router_tap) as routing:
-                    X_1, X_2 = block(X_1, X_2, sctx, rng)
-                layout.append((len(routing), [None if s is None else s.slots() for s in rng]))
-                routing_records += routing
-                rng_records += [t for s in rng if s is not None for t in s.tensors()]
-                rng_sub_blocks += [(block.layer_idx, name) for name, s in zip("FG", rng) if s is not None]
+                per_block.append([])
+                X_1, X_2 = block(X_1, X_2, sctx, per_block[-1])
             aux = sctx.aux.value() if sctx.aux is not None else X_1.new_zeros(())
-        ctx.blocks, ctx.layout, ctx.n_routing = blocks, layout, len(routing_records)
+        records = [r for block_records in per_block for r in block_records]
+        ctx.blocks, ctx.layout = blocks, [[r.layout() for r in block_records] for block_records in per_block]
         ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))  # tensors go through save_for_backward
         ctx.n_ctx = len(sctx.tensors())
-        sctx.stats["record_bytes"] = _nbytes(routing_records)
-        sctx.stats["rng_bytes"], sctx.stats["rng_sub_blocks"] = _nbytes(rng_records), rng_sub_blocks
-        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in routing_records + rng_records}
-        ctx.save_for_backward(X_1, X_2, *sctx.tensors(), *routing_records, *rng_records)
+        choices = [t for r in records for t in r.choices]
+        rng = [t for r in records if r.rng is not None for t in r.rng.tensors()]
+        sctx.stats["record_bytes"], sctx.stats["rng_bytes"] = _nbytes(choices), _nbytes(rng)
+        sctx.stats["rng_sub_blocks"] = [r.where for r in records if r.rng is not None]
+        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng}
+        ctx.save_for_backward(X_1, X_2, *sctx.tensors(), *(t for r in records for t in r.tensors()))
         return X_1, X_2, aux
 
     @staticmethod
     def backward(ctx, dY_1, dY_2, d_aux):
         Y_1, Y_2, *rest = ctx.saved_tensors
         sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])
-        routing_records = iter(rest[ctx.n_ctx : ctx.n_ctx + ctx.n_routing])
-        rng_records = iter(rest[ctx.n_ctx + ctx.n_routing :])
+        saved = iter(rest[ctx.n_ctx :])
+        per_block = [[SubBlockRecord.from_layout(x, saved) for x in layouts] for layouts in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable
-        per_block = []  # (routing records, [F's, G's RNG state or None])
-        for n_routing, slots in ctx.layout:
-            rng = [None if s is None else RNGState.from_slots(s, rng_records) for s in slots]
-            per_block.append(([next(routing_records) for _ in range(n_routing)],
-                              rng if sctx.replay_rng else [None, None]))
-
-        for block, (routing, rng) in zip(reversed(ctx.blocks), reversed(per_block)):
-            with _replaying(block.router_tap, routing, sctx):
-                Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
-                    Y_1, Y_2, dY_1, dY_2, sctx, rng, d_aux if use_aux else None
-                )
+        for block, records in zip(reversed(ctx.blocks), reversed(per_block)):
+            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
+                Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux if use_aux else None
+            )
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, Y_1, Y_2)
         n_params = len(ctx.needs_input_grad) - 4
@@ -207,29 +235,6 @@ class RevStackFunction(torch.autograd.Function):
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@contextlib.contextmanager
-def _recording(tap: RouterTap | None):
-    """The block's routing records (empty without a router)."""
-    if tap is None:
-        yield []
-        return
-    with tap.recording() as routing:
-        yield routing
-
-
-@contextlib.contextmanager
-def _replaying(tap: RouterTap | None, routing: list[torch.Tensor], sctx: StackContext):
-    """Replay the block's routing records; with `sctx.track_flips`, add the would-be flips to
-    `sctx.stats["routing_flips"]`. A no-op without a router or with `sctx.replay_routing=False`."""
-    if tap is None or not sctx.replay_routing:
-        yield
-        return
-    with tap.replaying(routing, sctx.track_flips) as replay:
-        yield
-    if sctx.track_flips:
-        sctx.stats["routing_flips"] = sctx.stats.get("routing_flips", 0) + int(replay.flips)
 
 
 def run_stack(blocks, X_1, X_2, sctx: StackContext, reversible: bool):

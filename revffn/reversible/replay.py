@@ -1,34 +1,47 @@
-"""State that the backward recomputation must replay exactly: routing, RNG, autocast.
+"""State that the backward recomputation must replay exactly: choices, RNG, autocast.
 
 The reversible backward re-runs each sub-block on an input *rebuilt* from the layer's output.
 The rebuilt input equals the original only up to float rounding, so anything discrete that the
 sub-block decides from its input can flip. For MoE that is the router's top-k: a token whose two
 best experts are within rounding of each other could be sent to a different expert on the rebuilt
-input, and its gradient would then belong to a different function. HF Reformer solves the same
-problem for its LSH buckets by reusing them; we record the router's top-k indices in forward and
-reuse them in backward, while the routing *weights* are gathered afresh, so they stay
-differentiable.
+input, and its gradient would then belong to a different function. The same holds for a sparse-
+attention indexer's top-k over keys, a `max(dim)` sparse mixer, an `argsort` of scores. HF Reformer
+solves this for its LSH buckets by reusing them; we record the indices of every index-choosing op
+a sub-block makes on values in forward and reuse them in backward, while the chosen *values* are
+gathered afresh from the recomputed input, so they stay differentiable.
 
-Recording is architecture-agnostic: a `TorchFunctionMode` active only inside the router module
-intercepts `torch.topk` (and `Tensor.topk`). Every HF router we support (softmax top-k, sigmoid
-group-limited top-k) selects experts with `topk`, so the same code serves them all.
+Recording needs no router path and no list of architectures: a `TorchFunctionMode` is active
+around each whole F and G call (`recording` in forward, `replaying` in backward) and intercepts,
+in call order, `topk`, `sort`, `argsort`, `max`/`min` with a dim, `argmax`/`argmin` and
+`multinomial` (function and method forms) on floating-point inputs. Integer inputs (sorting expert
+ids, counting tokens) are not choices on values: they follow from the recorded ones.
 
 RNG: a sub-block that draws random numbers (dropout, router jitter, any op) must draw the same
 ones when the backward re-runs it. `RNGState` is read around each sub-block of the reversible
 forward, and the state from before it is kept only where it drew (see its docstring).
+
+`RouterTap` only keeps the router's latest logits, for the load-balancing loss.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-_TOPK = (torch.topk, torch.Tensor.topk)
+# index-choosing op -> (name, kind). Kinds: "topk" and "sort" return (values, indices) along `dim`;
+# "reduce" (max/min with a dim) returns (values, indices) with `dim` reduced; "arg" (argmax/argmin,
+# argsort) returns indices; "sample" (multinomial) returns indices drawn from the RNG.
+_KINDS = {"topk": "topk", "sort": "sort", "max": "reduce", "min": "reduce", "argmax": "arg", "argmin": "arg",
+          "argsort": "arg", "multinomial": "sample"}
+CHOICE_OPS = {f: (name, kind) for name, kind in _KINDS.items()
+              for f in (getattr(torch, name), getattr(torch.Tensor, name))}
+_DIM_AT = {"topk": 2, "sort": 1, "argsort": 1, "max": 1, "min": 1, "argmax": 1, "argmin": 1}  # positional index of dim
+_DIM_DEFAULT = {"topk": -1, "sort": -1, "argsort": -1}  # max/min/argmax/argmin: None (no dim: not recorded / flat)
 
 
 def compact_index_dtype(n: int) -> torch.dtype:
@@ -37,124 +50,182 @@ def compact_index_dtype(n: int) -> torch.dtype:
         return torch.uint8
     if n <= 32768:
         return torch.int16
-    return torch.int32
+    if n <= 2**31:
+        return torch.int32
+    return torch.int64
 
 
-class RouterTap:
-    """Hooks on one HF router module: record or replay its top-k choices, and tap its logits.
+@dataclass(frozen=True)
+class _Choice:
+    """One intercepted call: which op, along which dim (None: over all elements), keepdim."""
 
-    The reversible stack drives it with two context managers; outside both the tap only keeps
-    `logits`, the router's most recent logits (output index `logits_index`), for the
-    load-balancing loss:
+    name: str
+    kind: str
+    dim: int | None
+    keepdim: bool
 
-      - ``with tap.recording() as records:`` top-k runs normally; its indices, compactly typed,
-        are appended to `records` in call order.
-      - ``with tap.replaying(records) as replay:`` top-k returns the recorded indices (in call order)
-        and ``input.gather(dim, indices)`` as values, so the routing weights stay differentiable.
-        With ``track_flips=True``, `replay.flips` counts the tokens whose fresh top-k on the
-        rebuilt input differs from the record.
+    @classmethod
+    def of(cls, func, args, kwargs) -> _Choice | None:
+        """The choice `func(*args, **kwargs)` makes on values, or None when it makes none (not a
+        choice op, an integer input, max/min without a dim or of two tensors, an `out=`)."""
+        op = CHOICE_OPS.get(func)
+        if op is None or not args or not torch.is_tensor(args[0]) or not args[0].is_floating_point() \
+                or "out" in kwargs:
+            return None
+        name, kind = op
+        if kind == "sample":
+            return cls(name, kind, -1, True)
+        at = _DIM_AT[name]
+        dim = kwargs["dim"] if "dim" in kwargs else args[at] if len(args) > at else _DIM_DEFAULT.get(name)
+        if dim is not None and not isinstance(dim, int):
+            return None  # max(a, b) elementwise, or a named dim
+        if dim is None and kind == "reduce":
+            return None  # a full max/min returns a value, not an index
+        keepdim = bool(kwargs.get("keepdim", args[2] if kind in ("reduce", "arg") and name != "argsort"
+                                  and len(args) > 2 else False))
+        return cls(name, kind, dim, keepdim)
 
-    The `TorchFunctionMode` that intercepts `topk` is entered by the router's forward pre-hook and
-    left by its forward hook (registered with ``always_call=True``, so an exception inside the
-    router still leaves it), and only while one of the two contexts is active: the interception
-    is scoped to this router's call. `remove()` detaches both hooks.
-    """
+    def index_dtype(self, source: torch.Tensor) -> torch.dtype:
+        n = source.numel() if self.dim is None else (source.shape[self.dim] if source.dim() else 1)
+        return compact_index_dtype(max(n, 2))
 
-    def __init__(self, router: nn.Module, num_experts: int, logits_index: int = 0):
-        self.router = router
-        self.index_dtype = compact_index_dtype(max(num_experts, 2))
-        self.logits_index = logits_index
-        self.logits: torch.Tensor | None = None
-        self._session: _Record | _Replay | None = None  # set by recording() / replaying()
-        self._entered = False  # the session's mode is on the torch-function stack (inside the router)
-        self._handles = (router.register_forward_pre_hook(self._enter),
-                         router.register_forward_hook(self._exit, always_call=True))
+    def indices(self, out) -> torch.Tensor:
+        return out if self.kind in ("arg", "sample") else out[1]
 
-    # -- contexts ----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[list[torch.Tensor]]:
-        """Record the router's top-k indices; yields the list they are appended to."""
-        session = _Record(self.index_dtype)
-        with self._active(session):
-            yield session.records
+    def replayed(self, source: torch.Tensor, indices: torch.Tensor):
+        """The op's output with `indices` as its choice; chosen values are gathered from `source`."""
+        if self.kind in ("arg", "sample"):
+            return indices
+        if source.dim() == 0:
+            values = source
+        elif self.kind == "reduce" and not self.keepdim:
+            values = source.gather(self.dim, indices.unsqueeze(self.dim)).squeeze(self.dim)
+        else:
+            values = source.gather(self.dim, indices)
+        return getattr(torch.return_types, self.name)((values, indices))
 
-    @contextlib.contextmanager
-    def replaying(self, records: list[torch.Tensor], track_flips: bool = False) -> Iterator[_Replay]:
-        """Reuse `records` (from `recording()`) as the router's top-k indices, in call order."""
-        session = _Replay(list(records), track_flips)
-        with self._active(session):
-            yield session
-
-    @contextlib.contextmanager
-    def _active(self, session):
-        if self._session is not None:
-            raise RuntimeError("RouterTap: already recording or replaying; the contexts do not nest.")
-        self._session, self.logits = session, None  # logits of an earlier call are stale here
-        try:
-            yield
-        finally:
-            self._session, self.logits = None, None  # the logits' graph is the block's: do not keep it alive
-
-    def remove(self) -> None:
-        """Detach both hooks: the router then runs untouched and `logits` is no longer updated."""
-        for handle in self._handles:
-            handle.remove()
-
-    # -- hooks -------------------------------------------------------------------------------------
-    def _enter(self, module, args):
-        if self._session is not None:
-            self._session.__enter__()
-            self._entered = True
-
-    def _exit(self, module, args, output):
-        if self._entered:  # also runs when the router raised (always_call=True)
-            self._entered = False
-            self._session.__exit__(None, None, None)
-        out = output[self.logits_index] if isinstance(output, tuple) else output
-        self.logits = out
+    def differs(self, fresh: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+        """How many choices (rows along `dim`; elements for max/min/argmax) `fresh` makes differently."""
+        if self.kind in ("reduce",) or self.name in ("argmax", "argmin") or fresh.dim() == 0:
+            return (fresh != recorded).sum()
+        if self.kind == "topk":  # the chosen set, not its order
+            fresh, recorded = fresh.sort(self.dim).values, recorded.sort(self.dim).values
+        return (fresh != recorded).any(self.dim).sum()
 
 
 class _Record(TorchFunctionMode):
-    """Inside the router: run `topk` and keep its indices."""
+    """Run every choice op normally and append its indices, compactly typed, to `records`."""
 
-    def __init__(self, index_dtype: torch.dtype):
+    def __init__(self, records: list[torch.Tensor]):
         super().__init__()
-        self.index_dtype = index_dtype
-        self.records: list[torch.Tensor] = []
+        self.records = records
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _TOPK:
-            return func(*args, **kwargs)
-        values, indices = func(*args, **kwargs)
-        self.records.append(indices.to(self.index_dtype))
-        return torch.return_types.topk((values, indices))
+        out = func(*args, **kwargs)
+        choice = _Choice.of(func, args, kwargs)
+        if choice is not None:
+            self.records.append(choice.indices(out).detach().to(choice.index_dtype(args[0])))
+        return out
 
 
 class _Replay(TorchFunctionMode):
-    """Inside the router: answer `topk` with the next record; the values are gathered from the
-    input, so they carry its gradient."""
+    """Answer every choice op with the next record (in call order); the chosen values are gathered
+    from the op's input, so they carry its gradient. `multinomial` still runs, so the RNG advances
+    as it did in forward, but returns the recorded samples."""
 
     def __init__(self, records: list[torch.Tensor], track_flips: bool):
         super().__init__()
         self.records, self.cursor = records, 0
         self.track_flips = track_flips
-        self.flips: torch.Tensor | int = 0  # tokens whose fresh top-k differs from the record
+        self.flips: torch.Tensor | int = 0  # choices the rebuilt input would have made differently
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _TOPK:
+        choice = _Choice.of(func, args, kwargs)
+        if choice is None:
             return func(*args, **kwargs)
-        source = args[0]
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        if self.cursor >= len(self.records):
+            raise RuntimeError(f"choice replay: the recomputation calls {choice.name} more often than the forward "
+                               f"did ({len(self.records)} recorded); the sub-block is not a function of its input.")
         indices = self.records[self.cursor].long()
         self.cursor += 1
-        if self.track_flips:
+        if self.track_flips or choice.kind == "sample":
             with torch.no_grad():
-                fresh = func(*args, **kwargs)[1]
-                differs = (fresh.sort(dim).values != indices.sort(dim).values).any(dim)
-                self.flips = self.flips + differs.sum()
-        return torch.return_types.topk((source.gather(dim, indices), indices))
+                fresh = choice.indices(func(*args, **kwargs))
+            if self.track_flips:
+                self.flips = self.flips + choice.differs(fresh, indices)
+        return choice.replayed(args[0], indices)
+
+
+@contextlib.contextmanager
+def recording_choices() -> Iterator[list[torch.Tensor]]:
+    """Record the indices of every choice op in the body; yields the list they are appended to."""
+    records: list[torch.Tensor] = []
+    with _Record(records):
+        yield records
+
+
+@contextlib.contextmanager
+def replaying_choices(records: list[torch.Tensor], track_flips: bool = False) -> Iterator[_Replay]:
+    """Reuse `records` (from `recording_choices`) as the body's choices, in call order. With
+    ``track_flips=True``, the yielded object's `flips` counts the choices the body would have made
+    differently. Raises RuntimeError if the body does not consume exactly the records."""
+    replay = _Replay(list(records), track_flips)
+    with replay:
+        yield replay
+    if replay.cursor != len(replay.records):
+        raise RuntimeError(f"choice replay: the recomputation made {replay.cursor} choices, the forward "
+                           f"{len(replay.records)}; the sub-block is not a function of its input.")
+
+
+@dataclass
+class SubBlockRecord:
+    """What one F or G call of the reversible forward must hand to its recomputation: its choices'
+    indices (in call order) and, if it drew random numbers, the RNG state from before it ran."""
+
+    where: tuple[int, str]  # (layer_idx, "F" | "G")
+    choices: list[torch.Tensor] = field(default_factory=list)
+    rng: RNGState | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.choices, *(self.rng.tensors() if self.rng is not None else [])]
+
+    def layout(self) -> tuple:
+        """Everything but the tensors (those go through save_for_backward)."""
+        return self.where, len(self.choices), None if self.rng is None else self.rng.slots()
+
+    @classmethod
+    def from_layout(cls, layout: tuple, tensors: Iterator[torch.Tensor]) -> SubBlockRecord:
+        """The inverse of (`layout()`, `tensors()`): takes this record's tensors from `tensors`."""
+        where, n_choices, slots = layout
+        choices = [next(tensors) for _ in range(n_choices)]
+        return cls(where, choices, None if slots is None else RNGState.from_slots(slots, tensors))
+
+
+class RouterTap:
+    """A forward hook on one HF router module that keeps its latest logits (output index
+    `logits_index`), for the load-balancing loss. Choices are recorded for the whole sub-block
+    (`recording_choices`), not here."""
+
+    def __init__(self, router: nn.Module, logits_index: int = 0):
+        self.router = router
+        self.logits_index = logits_index
+        self.logits: torch.Tensor | None = None
+        self._handle = router.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output):
+        self.logits = output[self.logits_index] if isinstance(output, tuple) else output
+
+    def take(self) -> torch.Tensor | None:
+        """The logits of the router's last call since the previous `take()` (None if it was not
+        called); drops the reference, so the sub-block's graph is not kept alive."""
+        logits, self.logits = self.logits, None
+        return logits
+
+    def remove(self) -> None:
+        """Detach the hook: the router then runs untouched and `logits` is no longer updated."""
+        self._handle.remove()
 
 
 # -- RNG ---------------------------------------------------------------------------------------

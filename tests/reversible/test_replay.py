@@ -1,12 +1,15 @@
-"""Routing replay, autocast replay and the router auxiliary loss (RNG replay: test_rng.py)."""
+"""Choice replay under forced near-ties (router top-k at any path, max(dim)), autocast replay and the
+router auxiliary loss (RNG replay: test_rng.py; the choice ops one by one: test_choices.py)."""
 
 import copy
 
 import torch
+from torch import nn
 
 from revffn import convert, tiny_model
 from revffn.models.convert import DebugOptions
 from revffn.models.loss import SwitchAux
+from revffn.models.tiny_any import tiny_model_for
 
 
 def _grads(model, ids, mask=None, reversible=True):
@@ -21,33 +24,32 @@ def _rel(a, b, names):
     return (num / torch.cat([b[n].reshape(-1) for n in names]).norm()).item()
 
 
-def test_routing_replay_survives_a_forced_near_tie():
-    """Experts 0 and 1 differ in their router logit by 1e-6 * x_k only. During the backward
-    recomputation a hook flips the sign of feature k of the router input: without replay every
-    token routed to 0 or 1 switches expert; with replay the recorded choice is reused."""
-    torch.manual_seed(0)
-    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
-    k = 5
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            w = layer.mlp.gate.weight  # (E, d)
-            w.normal_(0, 0.02)
-            w[:, k] = 0
-            w[0] = 3 * w[0].sign() * w[0].abs().clamp(min=0.01)  # experts 0/1 dominate many tokens
-            w[1] = w[0]
-            w[1, k] = 1e-6  # the near-tie: l1 - l0 = 1e-6 * x_k
-    model = convert(hf, adapter_init="coordinate")
+K = 5  # the feature whose sign the backward recomputation flips
+
+
+def _force_near_tie(w: torch.Tensor) -> None:
+    """Router weight (E, d): experts 0 and 1 dominate many tokens and differ by 1e-6 * x_K only."""
+    w.normal_(0, 0.02)
+    w[:, K] = 0
+    w[0] = 3 * w[0].sign() * w[0].abs().clamp(min=0.01)
+    w[1] = w[0]
+    w[1, K] = 1e-6  # the near-tie: l1 - l0 = 1e-6 * x_K
+
+
+def _near_tie(model, routers, ids):
+    """Expert-gradient errors against the plain twin, with and without replay, and the flips counted,
+    when a pre-hook flips the sign of feature K of every router's input during the backward
+    recomputation: without replay every token routed to expert 0 or 1 switches expert."""
     model.train()
-    ids = torch.randint(3, 512, (2, 32))
     g_plain = _grads(model, ids, reversible=False)
 
     def flip_feature_k(module, args):
         if torch.is_grad_enabled():  # only the backward recomputation runs the router with grad
             x = args[0].clone()
-            x[..., k] = -x[..., k]
+            x[..., K] = -x[..., K]
             return (x,)
 
-    handles = [r.register_forward_pre_hook(flip_feature_k) for r in model.routers()]
+    handles = [r.register_forward_pre_hook(flip_feature_k) for r in routers]
     try:
         model.debug = DebugOptions(track_routing_flips=True)
         g_replay = _grads(model, ids)
@@ -58,11 +60,67 @@ def test_routing_replay_survives_a_forced_near_tie():
         for h in handles:
             h.remove()
         model.debug = DebugOptions()
-
     experts = [n for n in g_plain if ".experts." in n]
     err_replay, err_no_replay = _rel(g_replay, g_plain, experts), _rel(g_no_replay, g_plain, experts)
     print(f"flips={flips} expert-grad rel err: replay {err_replay:.2e}, no replay {err_no_replay:.2e}")
+    return flips, err_replay, err_no_replay
+
+
+def test_routing_replay_survives_a_forced_near_tie():
+    torch.manual_seed(0)
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            _force_near_tie(layer.mlp.gate.weight)
+    model = convert(hf, adapter_init="coordinate")
+    flips, err_replay, err_no_replay = _near_tie(model, model.routers(), torch.randint(3, 512, (2, 32)))
     assert flips > 0, "the forced near-tie must actually flip the fresh top-k"
+    assert err_replay < 1e-4
+    assert err_no_replay > 1e-2
+
+
+def test_near_tie_of_a_router_at_another_path_is_replayed():
+    """gpt_oss's router is `mlp.router`, not `mlp.gate`: its top-k is recorded all the same, because
+    the whole sub-block is recorded, wherever the router lives."""
+    torch.manual_seed(0)
+    hf = tiny_model_for("gpt_oss", stochastic=0.0, num_hidden_layers=2, num_experts_per_tok=1)
+    routers = [layer.mlp.router for layer in hf.model.layers]
+    with torch.no_grad():
+        for r in routers:
+            _force_near_tie(r.weight)
+            r.bias.zero_()
+    model = convert(hf)
+    assert model.routers() == []  # no load-balancing tap at this path: nothing router-specific is needed
+    flips, err_replay, err_no_replay = _near_tie(model, routers, torch.randint(3, 256, (2, 32)))
+    assert flips > 0
+    assert err_replay < 1e-4
+    assert err_no_replay > 1e-2
+
+
+class MaxRouter(nn.Module):
+    """A top-1 router that chooses with `max(dim)`, as phimoe's sparse mixer does, not `topk`."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        _force_near_tie(self.proj.weight.data)
+
+    def forward(self, x):
+        logits = self.proj(x.reshape(-1, self.proj.in_features))
+        weights, chosen = logits.softmax(-1).max(dim=-1, keepdim=True)
+        return logits, weights, chosen
+
+
+def test_near_tie_of_a_max_choice_is_replayed():
+    torch.manual_seed(0)
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate = MaxRouter(layer.mlp.gate.weight)
+    model = convert(hf)
+    flips, err_replay, err_no_replay = _near_tie(model, [layer.base_layer.mlp.gate for layer in model.blocks],
+                                                 torch.randint(3, 512, (2, 32)))
+    assert flips > 0
     assert err_replay < 1e-4
     assert err_no_replay > 1e-2
 

@@ -102,6 +102,35 @@ def test_only_the_sub_block_that_draws_is_recorded():
     assert _rel(g_rev, g_plain) < 1e-5
 
 
+class SamplingRouter(nn.Module):
+    """Samples its top-k experts from the softmax with `multinomial`: RNG and a choice in one op."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.router = router
+
+    def forward(self, x):
+        logits, _, _ = self.router(x)
+        probs = logits.softmax(-1)
+        chosen = torch.multinomial(probs, self.router.top_k)
+        return logits, probs.gather(-1, chosen), chosen
+
+
+def test_a_sampling_router_is_replayed():
+    """multinomial draws from the generator (RNG record of G) and chooses (a choice record): exact."""
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3)
+    for layer in hf.model.layers:
+        layer.mlp.gate = SamplingRouter(layer.mlp.gate)
+    model = convert(hf)
+    model.train()
+    ids = _ids()
+    g_plain = _grads(model, ids, 123, reversible=False)
+    g_rev = _grads(model, ids, 123)
+    assert model.last_stack_stats["rng_sub_blocks"] == [(0, "G"), (1, "G"), (2, "G")]
+    assert _rel(g_rev, g_plain) < 1e-5
+    assert _rel(_grads(model, ids, 7, reversible=False), g_plain) > 1e-3, "the sampling must matter"
+
+
 def test_no_randomness_records_zero_bytes_and_records_stay_out_of_activations():
     """Train mode, dropout 0, no jitter: nothing drawn, nothing stored. With dropout, the RNG
     records are counted apart: the activation bytes (records excluded) do not change."""

@@ -1,0 +1,57 @@
+"""`revffn check`'s gradient metric: relative per parameter, its denominator floored at 1e-3 x the
+largest parameter-gradient norm, so a gradient that is zero up to rounding passes and a real error fails."""
+
+import pytest
+import torch
+
+from revffn.models.tiny_any import tiny_model_for
+from revffn.reports import check
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_grad_error_floors_near_zero_gradients_only():
+    g = {"big": torch.ones(100), "zero_up_to_rounding": torch.full((4,), 1e-10)}
+    noise = {"big": g["big"].clone(), "zero_up_to_rounding": torch.full((4,), -1e-10)}
+    assert check.grad_error(g, noise)[0] < 1e-6  # 4e-10 against the floor 1e-3 * 10
+    wrong = {"big": g["big"] * 1.01, "zero_up_to_rounding": g["zero_up_to_rounding"]}
+    assert check.grad_error(g, wrong) == (pytest.approx(0.01, rel=1e-3), "big")
+    assert check.grad_error(g, {"big": g["big"]}) == (float("inf"), "zero_up_to_rounding")
+    assert check.grad_error(g, {**g, "big": torch.full((100,), float("nan"))})[1] == "big"
+
+
+def _hunyuan_dir(tmp_path, **stochastic):
+    """hunyuan_v1_moe is top-1 with renormalised weights: its router gradient is zero up to rounding."""
+    hf = tiny_model_for("hunyuan_v1_moe", stochastic=stochastic or 0.0)
+    assert hf.config.moe_topk == 1
+    hf.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_top1_router_does_not_fail_the_check_but_a_real_error_does(tmp_path, monkeypatch):
+    path = _hunyuan_dir(tmp_path, attention_dropout=0.1)
+    report = check.run_check(model=path, layers=2, seq=16)
+    assert report["passed"], report
+    assert report["max_rel_grad_error"] < check.TOL["max_rel_grad_error"]
+
+    monkeypatch.setattr(check, "GRAD_FLOOR", 0.0)  # the unfloored metric judges the router on its noise
+    unfloored = check.run_check(model=path, layers=2, seq=16)
+    assert not unfloored["passed"] and ".mlp.gate." in unfloored["worst_param"], unfloored["worst_param"]
+    monkeypatch.undo()
+
+    convert = check.convert
+
+    def convert_without_rng_replay(*args, **kwargs):  # the dropout is then redrawn in backward: wrong
+        model = convert(*args, **kwargs)
+        model.debug.rng_replay = False
+        return model
+
+    monkeypatch.setattr(check, "convert", convert_without_rng_replay)
+    wrong = check.run_check(model=path, layers=2, seq=16)
+    assert not wrong["passed"] and wrong["max_rel_grad_error"] > 1e-2, wrong["max_rel_grad_error"]
