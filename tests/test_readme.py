@@ -5,6 +5,7 @@ flags and real config keys; every repo path, `revffn.` name and Markdown link th
 import argparse
 import glob
 import importlib
+import json
 import re
 import shlex
 from pathlib import Path
@@ -197,3 +198,19 @@ def test_readme_shows_every_subcommand():
 ])
 def test_the_docs_check_catches_a_broken_line(bad):
     assert page_problems("README.md", f"# t\n\n{bad}\n"), bad
+
+
+def test_the_architecture_claim_matches_the_committed_sweep():
+    """The README's count and named types are those `revffn archs` wrote to docs/architectures.json."""
+    import re
+
+    sweep = json.loads((ROOT / "docs" / "architectures.json").read_text())
+    exact = {r["model_type"] for r in sweep["results"] if r["status"] == "exact"}
+    claim = re.search(r"\((\d+) of the (\d+) MoE model types in transformers [\d.]+ convert with exact gradients, "
+                      r"e\.g\. (.+?); the other (\d+) are refused", " ".join(README.split()))
+    assert claim, "README: the architecture sentence changed; keep it checkable"
+    n_exact, n_all, named, n_refused = claim.groups()
+    assert (int(n_exact), int(n_all), int(n_refused)) == (len(exact), len(sweep["results"]),
+                                                         sweep["counts"]["refused"])
+    assert set(re.findall(r"`(\w+)`", named)) <= exact
+    assert not sweep["counts"]["crash"] and not sweep["counts"]["wrong"] and not sweep["counts"]["unfaithful"]
