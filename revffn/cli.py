@@ -8,6 +8,7 @@
     revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --out DIR   memory and speed per method
     revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate
     revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
+    revffn convert builtin:base --out DIR --heal-steps 400   convert once: calibrated, healed; train from DIR
 
 Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed), 2 bad input.
 """
@@ -28,6 +29,13 @@ def _positive(s: str) -> int:
     v = int(s)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def _nonnegative(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {s}")
     return v
 
 
@@ -149,6 +157,20 @@ def cmd_estimate(args) -> int:
         print(json.dumps(est))
     else:
         print(format_estimate(est, args.gpu_mem))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from revffn.training.conversion import ConvertSpec, run_convert
+
+    spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
+                       args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.eval_data,
+                       args.stream_dtype, args.seed, args.overwrite)
+    manifest = run_convert(spec)
+    gap = manifest["conversion_gap"]
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
+    print(json.dumps(manifest) if args.json else f"revffn convert: wrote {args.out}"
+          + (f" (loss on {gap['data']}: {figures})" if gap.get("data") else ""))
     return 0
 
 
@@ -295,6 +317,28 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=_positive, default=None, help="torch threads per run (default: cores / jobs "
                    "when --jobs > 1, else torch's)")
     q.set_defaults(fn=cmd_study)
+
+    k = sub.add_parser("convert", help="convert a model to RevFFN once (calibrated, optionally healed) into a "
+                       "directory that `revffn train model=DIR method=revffn` starts from")
+    k.add_argument("model", help="builtin:base, a tiny preset or a local HF model directory")
+    k.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
+    k.add_argument("--calibration-data", default="self", help="self (sampled from the model: no data), a "
+                   "JSON/JSONL file or builtin:NAME; general text, not task data (default: %(default)s)")
+    k.add_argument("--calibration-tokens", type=_positive, default=32768, help="calibration tokens (default: "
+                   "%(default)s, in rows of 128)")
+    k.add_argument("--heal-steps", type=_nonnegative, default=0,
+                   help="KL self-distillation steps on the adapters (0: none)")
+    k.add_argument("--heal-data", default="self", help="self, a file or builtin:NAME (default: %(default)s)")
+    k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
+    k.add_argument("--heal-lr", type=float, default=1e-3, help="heal AdamW peak LR (cosine to a tenth)")
+    k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
+    k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
+                   "builtin:retention_test for builtin:base, else none)")
+    k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    k.add_argument("--json", action="store_true", help="print the written revffn.json as one JSON object")
+    k.set_defaults(fn=cmd_convert)
 
     t = sub.add_parser("train", help="fine-tune a model from a YAML config (no config: the quickstart)")
     t.add_argument("config", nargs="?", default=None, help="YAML config; omit for the built-in quickstart")

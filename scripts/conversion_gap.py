@@ -1,33 +1,146 @@
-"""Conversion gap of a trained model: its loss before and after RevFFN conversion, per adapter init.
+"""The conversion-gap table of docs/conversion.md: what converting `builtin:base` to RevFFN costs on its
+held-out pretraining text (`builtin:retention_test`), per adapter init, calibration text and heal text.
 
-    revffn train method=full output_dir=runs/qs-full      # a trained (non-random) model
-    python scripts/conversion_gap.py runs/qs-full/final builtin:quickstart_test
+    python scripts/conversion_gap.py --out runs/conversion_gap --docs docs/conversion.md     # ~1 h on 2 CPU cores
+    python scripts/conversion_gap.py --out runs/gap-quick --quick                            # smoke: ~2 min
+
+Every calibrated row is one `revffn convert` run in a fresh process (its revffn.json gives the losses, the
+wall times and the process's peak RSS). Text sources: `self` (sampled from the base: no data), general
+text (documents of the base's own pretraining corpus, `scripts/corpus.py`, none of them held out),
+task text (`builtin:commas_train`), and a mix (the general text plus every `commas_train` example).
+Results go to OUT/conversion.json; the Markdown page is rendered from it.
 """
 
-import copy
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-import torch
-
-from revffn import convert
-from revffn.data.collate import collate, tokenize_dataset
-from revffn.data.formats import load_examples
-from revffn.data.tokenizer import load_tokenizer
-from revffn.models.loading import load
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 32768  # calibration tokens: 256 rows x 128
+TASK_TOKENS = 16384  # commas_train holds ~25k tokens
 
 
-def main(model_dir: str, data: str) -> None:
-    model, tok = load(model_dir), load_tokenizer(model_dir)
-    batch = collate(tokenize_dataset(load_examples(data), tok, 512).items, tok.pad_token_id)
-    with torch.no_grad():
-        base = model(**batch, return_logits=False).loss.item()
-        print(f"unconverted loss on {data}: {base:.4f}")
-        for init in ("coordinate", "zero", "random"):
-            torch.manual_seed(0)
-            conv = convert(copy.deepcopy(model.hf), adapter_init=init).eval()
-            loss = conv(**batch, return_logits=False).loss.item()
-            print(f"  adapter_init={init:<10} converted loss {loss:.4f}  (gap {loss - base:+.4f})")
+def write_sources(out: Path, n_general: int = 3000, seed: int = 0) -> dict[str, str]:
+    """general.jsonl (pretraining-corpus documents) and mix.jsonl (those + every commas_train example)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from corpus import pretraining_corpus
+
+    train, _ = pretraining_corpus(seed, 20000)
+    docs = random.Random(seed + 7).sample(train, n_general)
+    general = out / "general.jsonl"
+    general.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    task = (ROOT / "revffn" / "assets" / "data" / "commas_train.jsonl").read_text()
+    (out / "mix.jsonl").write_text(general.read_text() + task)
+    return {"self": "self", "general": str(general), "task": "builtin:commas_train", "mix": str(out / "mix.jsonl")}
+
+
+def plain_rows() -> list[dict]:
+    """base, and the uncalibrated inits (no data involved)."""
+    import torch
+
+    from revffn.data.tokenizer import load_tokenizer
+    from revffn.models.causal_lm import CausalLM
+    from revffn.models.convert import convert
+    from revffn.models.loading import load_hf, resolve_model_ref
+    from revffn.training.evaluate import retention_loss
+
+    tok = load_tokenizer(resolve_model_ref("builtin:base"))
+    rows = [{"name": "base (unconverted)", "loss": retention_loss(CausalLM(load_hf("builtin:base")).eval(), tok)}]
+    for init in ("coordinate", "zero"):
+        torch.manual_seed(0)
+        rows.append({"name": f"`{init}`", "loss": retention_loss(convert(load_hf("builtin:base"), adapter_init=init)
+                                                                  .eval(), tok)})
+    return rows
+
+
+def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, heal: str | None, steps: int,
+                threads: int) -> dict:
+    """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json."""
+    target = out / "models" / "".join(c if c.isalnum() else "_" for c in name)
+    cmd = [sys.executable, "-m", "revffn", "convert", "builtin:base", "--out", str(target), "--overwrite",
+           "--calibration-data", src[calibration], "--calibration-tokens", str(tokens)]
+    if heal:
+        cmd += ["--heal-steps", str(steps), "--heal-data", src[heal]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
+    m = json.loads((target / "revffn.json").read_text())
+    gap, cal, hl = m["conversion_gap"], m["calibration"], m["heal"]
+    return {"name": name, "status": "ok", "calibration_data": calibration, "calibration_tokens": cal["tokens"],
+            "heal_data": heal, "heal_steps": steps if heal else 0,
+            "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
+            "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
+            "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
+            "kept_bytes": cal["kept_bytes"], "worst_residual": max(cal["residuals"].values()),
+            "process_s": round(time.time() - t0, 1), "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+
+
+def render(data: dict) -> str:
+    """docs/conversion.md's table from conversion.json."""
+    base = data["rows"][0]["loss"]
+    lines = ["| conversion | calibration text | heal | loss | Δ vs base | calibration s | heal s | peak RSS |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['name']} | | | {r['status']} | | | | |")
+            continue
+        cal = f"{r['calibration_data']} ({r['calibration_tokens']} tok)" if "calibration_data" in r else "–"
+        heal = f"{r['heal_data']}, {r['heal_steps']} steps" if r.get("heal_data") else "–"
+        rss = f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" if "peak_rss_bytes" in r else "–"
+        cs = f"{r['calibration_s']:.0f}" if "calibration_s" in r else "–"
+        hs = f"{r['heal_s']:.0f}" if r.get("heal_s") is not None else "–"
+        lines.append(f"| {r['name']} | {cal} | {heal} | **{r['loss']:.3f}** | {r['loss'] - base:+.3f} | {cs} | {hs} "
+                     f"| {rss} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="work directory (sources, converted models, conversion.json)")
+    parser.add_argument("--docs", default=None, help="rewrite the table between the markers of this page")
+    parser.add_argument("--heal-steps", type=int, default=400, help="heal steps per heal row (default %(default)s)")
+    parser.add_argument("--long-steps", type=int, default=800, help="steps of the longer `self` heal row")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = write_sources(out)
+    tokens, task_tokens, steps, long = TOKENS, TASK_TOKENS, args.heal_steps, args.long_steps
+    if args.quick:
+        tokens, task_tokens, steps, long = 1024, 1024, 4, 8
+    rows = plain_rows()
+    plan = [("calibrated", "self", tokens, None, 0), ("calibrated", "general", tokens, None, 0),
+            ("calibrated", "task", task_tokens, None, 0)]
+    plan += [("calibrated + heal", "self", tokens, h, steps) for h in ("self", "general", "task", "mix")]
+    plan += [("calibrated + heal", "self", tokens, "self", long), ("calibrated + heal", "general", tokens, "general",
+                                                                      long)]
+    for kind, cal, n, heal, n_steps in plan:
+        name = f"{kind} ({cal}" + (f"; heal {heal} x{n_steps})" if heal else ")")
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        rows.append(convert_row(name, out, src, cal, n, heal, n_steps, args.threads))
+        print(f"  -> {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    data = {"rows": rows, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
+            "threads": args.threads, "sources": {k: v.replace(str(out), "OUT") for k, v in src.items()}}
+    (out / "conversion.json").write_text(json.dumps(data, indent=1) + "\n")
+    table = render(data)
+    print(table)
+    if args.docs:
+        page = Path(args.docs)
+        text = page.read_text()
+        start, end = "<!-- conversion-gap:start -->\n", "<!-- conversion-gap:end -->"
+        head, rest = text.split(start, 1)
+        page.write_text(head + start + table + end + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main()

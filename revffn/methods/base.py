@@ -38,6 +38,9 @@ class Method:
     STUDY_LR_GRID: ClassVar[tuple[float, ...] | None] = None
     STUDY_OPTIONS: ClassVar[dict] = {}
     STUDY_GAP_VARIANTS: ClassVar[dict[str, dict]] = {}
+    # a model directory that already holds a converted RevFFN model (`revffn convert`): only methods
+    # whose `prepare` accepts the converted model as it is may train it
+    ACCEPTS_CONVERTED: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)

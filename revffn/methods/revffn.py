@@ -21,7 +21,7 @@ from torch import nn
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
-from revffn.models.convert import ADAPTER_INITS, convert
+from revffn.models.convert import ADAPTER_INITS, RevFFNForCausalLM, convert
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -33,13 +33,19 @@ class RevFFNMethod(Method):
         "freeze_router": Key(bool, True, "stage 2: keep the MoE routers frozen"),
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
-        "adapter_init": Key(str, "coordinate", "projection adapter init", choices=ADAPTER_INITS),
+        "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
+        "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
+                                "builtin:NAME; general text, never the task data alone"),
+        "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
     }
     ESTIMATE_OPTIONS = {
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
         "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
     }
+    ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
+    converted_from: str | None = None  # set by `prepare` when the model came converted
+    calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     STUDY_OPTIONS = {"adapter_warmup_steps": 20, "adapter_init": "coordinate", "freeze_router": True}
     STUDY_GAP_VARIANTS = {f"{init}-w{warm}": {"adapter_init": init, "adapter_warmup_steps": warm}
@@ -51,6 +57,12 @@ class RevFFNMethod(Method):
         if opts["adapter_warmup_steps"] >= cfg.max_steps:
             raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} leaves no stage-2 step "
                             f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")
+        if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
+            from revffn.data.calibration import file_rows
+            from revffn.methods.conversion import model_tokenizer
+
+            file_rows(opts["calibration_data"], model_tokenizer(cfg.model, cfg.tokenizer), opts["calibration_tokens"],
+                      "revffn.calibration_data", budget_key="revffn.calibration_tokens")
 
     @classmethod
     def study_options(cls, steps: int, **variant) -> dict:
@@ -60,9 +72,21 @@ class RevFFNMethod(Method):
         return opts
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
+        """Convert (and calibrate) `hf_model`; a model `revffn convert` wrote is already converted: kept as is."""
         dtype = torch.float32 if self.opts["stream_dtype"] == "float32" else torch.bfloat16
-        return convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
-                       aux_loss_coef=self.cfg.router_aux_loss_coef)
+        if isinstance(hf_model, RevFFNForCausalLM):
+            self.converted_from = self.cfg.model
+            hf_model.stream_dtype = dtype
+            if self.cfg.router_aux_loss_coef is not None:
+                hf_model.aux_loss_coef = self.cfg.router_aux_loss_coef
+            return hf_model
+        model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
+                        aux_loss_coef=self.cfg.router_aux_loss_coef)
+        if self.opts["adapter_init"] == "calibrated":
+            from revffn.methods.conversion import calibrate_for_run
+
+            self.calibration = calibrate_for_run(model, self.cfg, self.opts)
+        return model
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return non_router_parameters(model, self.opts["freeze_router"])
@@ -83,8 +107,10 @@ class RevFFNMethod(Method):
         """The converted model's weights (safetensors), the base HF config, and revffn.json."""
         model.config.save_pretrained(out_dir)
         save_model(model, str(out_dir / "model.safetensors"))
-        write_manifest(out_dir, format="revffn", method=self.name, adapter_init=self.opts["adapter_init"],
-                       stream_dtype=self.opts["stream_dtype"])
+        start = {"converted_from": self.converted_from} if self.converted_from else \
+            {"adapter_init": self.opts["adapter_init"]}
+        write_manifest(out_dir, format="revffn", method=self.name, stream_dtype=self.opts["stream_dtype"], **start,
+                       **({"calibration": self.calibration} if self.calibration else {}))
 
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod

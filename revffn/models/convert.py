@@ -37,7 +37,7 @@ from revffn.models.spec import ArchSpec, config_value, get_path
 from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
-ADAPTER_INITS = ("coordinate", "zero", "random")
+ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
 ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
 LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 
@@ -59,16 +59,19 @@ def init_adapters(block: HFRevBlock, how: str) -> None:
       LoRA's B = 0). Safe, but it throws the layers away until P_down learns.
     - ``random``: Kaiming-uniform P_up and P_down (nn.Linear's default), scaled by 1/sqrt(2L)
       on P_down so the residual streams do not grow with depth. For ablation.
+    - ``calibrated``: ``coordinate`` here; `revffn.models.calibrate.calibrate` then fits every
+      adapter to the original model's hidden states on calibration text (it needs data, so the
+      method or `revffn convert` runs it after conversion).
     """
     d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
     with torch.no_grad():
         for p in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
             p.weight.zero_()
-        if how in ("coordinate", "zero"):
+        if how in ("coordinate", "zero", "calibrated"):
             eye = torch.eye(h, dtype=block.p_up_attn.weight.dtype, device=block.p_up_attn.weight.device)
             block.p_up_attn.weight[h:d] = eye  # X_2 -> its own coordinates d/2..d
             block.p_up_moe.weight[:h] = eye  # Y_1 -> its own coordinates 0..d/2
-            if how == "coordinate":
+            if how != "zero":
                 block.p_down_attn.weight[:, :h] = eye  # attention output 0..d/2 -> X_1
                 block.p_down_moe.weight[:, h:d] = eye  # MoE output d/2..d -> X_2
         elif how == "random":
@@ -408,7 +411,7 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
     Args:
         hf_model: an HF `*ForCausalLM` (qwen2_moe, qwen3_moe, mixtral, olmoe, or any with the
             standard decoder-layer layout).
-        adapter_init: ``coordinate`` | ``zero`` | ``random`` (see `init_adapters`).
+        adapter_init: ``coordinate`` | ``zero`` | ``random`` | ``calibrated`` (see `init_adapters`).
         stream_dtype: residual stream dtype; keep fp32 with bf16 weights (see README).
         aux_loss_coef: router load-balancing loss weight; default: the HF config's.
         reversible: start in reversible mode (False: plain-autograd twin).

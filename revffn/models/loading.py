@@ -137,11 +137,26 @@ def random_init(model: str, dtype: torch.dtype, seed: int, device: torch.device 
     return hf.to(dtype)
 
 
+def is_converted(model: str) -> bool:
+    """True for a directory holding a RevFFN-converted model (`revffn convert`, a revffn run's final/):
+    its revffn.json says `format: revffn`."""
+    manifest = Path(resolve_model_ref(str(model))).expanduser() / "revffn.json"
+    return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
+
+
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):
-    """An HF causal LM from a tiny preset (random init), a shipped model or a local directory (offline)."""
+    """An HF causal LM from a tiny preset (random init), a shipped model or a local directory (offline).
+
+    A converted directory (`is_converted`) loads as the `RevFFNForCausalLM` it holds (`load`), in
+    train mode: only the revffn method accepts it (`Method.ACCEPTS_CONVERTED`)."""
     check_model_ref(model)
     if model in TINY_PRESETS:
         return tiny_model(model, seed=seed, dtype=dtype, **config_overrides)
+    if is_converted(model):
+        if config_overrides:
+            raise UserError(f"model_config: {model!r} holds a converted RevFFN model; its geometry is fixed. Fix: "
+                            "remove model_config, or convert the base model again with the overrides.")
+        return load(model, dtype=dtype).train()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model_ref(model)
@@ -178,7 +193,7 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         raise UserError(f"{path!r} is not a model directory (no config.json). Fix: point at a run's final/ "
                         "directory or an HF save_pretrained directory.")
     manifest = json.loads((root / "revffn.json").read_text()) if (root / "revffn.json").is_file() else {}
-    if manifest.get("format") == "revffn":
+    if manifest.get("format") == "revffn":  # a revffn run's final/ or a `revffn convert` directory
         config = AutoConfig.from_pretrained(root, local_files_only=True)
         hf = AutoModelForCausalLM.from_config(config)
         stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16

@@ -123,3 +123,38 @@ class SwitchAux:
         if self.row_mask is not None:
             probs = probs * self.row_mask[:, None]
         return (probs * weight).sum()
+
+
+def _chunk_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    log_q = F.log_softmax(F.linear(student, weight, bias).float(), dim=-1)  # (n, V) student
+    with torch.no_grad():
+        log_p = F.log_softmax(F.linear(teacher, weight, bias).float(), dim=-1)  # (n, V) teacher
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, head: torch.nn.Linear,
+               attention_mask: torch.Tensor | None = None,
+               chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL(teacher ‖ student) of the next-token distributions, and the number of positions.
+
+    Chunked like `causal_lm_loss`: one chunk's two (n, V) fp32 logits at a time, the student's
+    recomputed in backward, so no (B, T, V) pair is ever held.
+
+    Args:
+        student, teacher: (B, T, d) final hidden states (after the final norm); the teacher's carry no grad.
+        head: the LM head both share.
+        attention_mask: (B, T), 0 on padding (those positions are left out); None: every position.
+    """
+    d = student.shape[-1]
+    rows = None if attention_mask is None else attention_mask.reshape(-1).bool()
+    s, t = student.reshape(-1, d), teacher.detach().reshape(-1, d)
+    if rows is not None:
+        s, t = s[rows], t[rows]
+    total = student.new_zeros((), dtype=torch.float32)
+    for start in range(0, s.shape[0], chunk_tokens):
+        ss, ts = s[start : start + chunk_tokens], t[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_kl, ss, ts, head.weight, head.bias, use_reentrant=False)
+        else:
+            total = total + _chunk_kl(ss, ts, head.weight, head.bias)
+    return total, torch.tensor(s.shape[0], device=student.device)

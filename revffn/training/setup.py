@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from revffn.errors import UserError
-from revffn.models.loading import check_model_ref, resolve_model_ref
+from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
 
@@ -97,6 +97,16 @@ def tokenizer_ref(cfg) -> str | None:
     return None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model)
 
 
+def check_converted(cfg) -> None:
+    """A converted model directory (`revffn convert`) trains only with a method that accepts it as it is."""
+    from revffn.methods import METHODS, method_class
+
+    if is_converted(cfg.model) and not method_class(cfg.method).ACCEPTS_CONVERTED:
+        ok = ", ".join(n for n, m in METHODS.items() if m.ACCEPTS_CONVERTED)
+        raise UserError(f"model: {cfg.model!r} holds a model already converted to RevFFN; method {cfg.method!r} "
+                        f"trains unconverted HF models. Fix: method={ok}, or point model at the unconverted base.")
+
+
 def prepare_run(cfg) -> RunPlan:
     """Validate everything that can be validated without a model. Writes nothing."""
     from revffn.data.collate import tokenize_dataset
@@ -104,6 +114,7 @@ def prepare_run(cfg) -> RunPlan:
     from revffn.data.tokenizer import load_tokenizer
 
     check_model_ref(cfg.model)
+    check_converted(cfg)
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(cfg, run_dir)
     check_output_dir(cfg, run_dir, resume_from)

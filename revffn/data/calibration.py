@@ -1,0 +1,95 @@
+"""Text for calibration and heal: `self` (sampled from the unconverted model), a data file or a `builtin:` set.
+
+Both need general text: adapters fitted or healed on a narrow task distribution lose more of the
+base model than doing nothing (docs/conversion.md). `self` needs no data at all: sequences of
+`SEQ_LEN` tokens sampled at temperature 1 from the pretrained model itself (`models.teacher.sample_self`),
+each starting at the document boundary. A file's examples are rendered as training renders them
+(text + eos; chats through the template), shuffled, concatenated and cut into rows of `SEQ_LEN`.
+
+    rows = calibration_rows("self", tokenizer, model, n_tokens=32768, key="revffn.calibration_data")
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import torch
+
+from revffn.data.collate import _encode
+from revffn.data.formats import load_examples
+from revffn.errors import UserError
+from revffn.models.teacher import sample_self
+
+SELF = "self"
+SEQ_LEN = 128  # tokens per calibration / heal row
+SAMPLE_BATCH = 64  # rows sampled at once for a `self` heal
+
+
+def start_token(tokenizer) -> int:
+    """The document-boundary token a sampled sequence starts from: bos when the tokenizer prepends one to
+    every text, else eos (packed corpora separate documents with it; the shipped base's does)."""
+    ids = tokenizer("a")["input_ids"]
+    if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
+        return tokenizer.bos_token_id
+    return tokenizer.eos_token_id
+
+
+def is_task_data(examples: list[dict]) -> bool:
+    """True when the examples are conversations (instruction, chat, prompt/completion), not plain text."""
+    return any(e.get("text") is None for e in examples)
+
+
+def file_rows(source: str, tokenizer, n_tokens: int | None, key: str, seed: int = 0,
+              seq_len: int = SEQ_LEN, budget_key: str = "the token budget") -> torch.Tensor:
+    """(rows, seq_len) token ids from a data file or builtin set: the first `n_tokens` (None: all whole rows).
+
+    Raises:
+        UserError: naming `key`, when the source holds no text or fewer than `n_tokens` tokens.
+    """
+    examples = load_examples(source, key)
+    random.Random(seed).shuffle(examples)
+    flat = [t for e in examples for t in _encode(e, tokenizer)[0]]
+    need = n_tokens if n_tokens is not None else seq_len
+    if len(flat) < need:
+        raise UserError(f"{key}: {source!r} holds {len(flat)} tokens, fewer than the {need} needed"
+                        + (f" ({budget_key}={n_tokens})" if n_tokens else "")
+                        + f". Fix: give more text, lower the token budget to at most {len(flat)}, or use {SELF} "
+                        "(text sampled from the model itself, no data needed).")
+    seq = min(seq_len, need)
+    n = (need if n_tokens is not None else len(flat)) // seq
+    return torch.tensor(flat[: n * seq], dtype=torch.long).view(n, seq)
+
+
+def calibration_rows(source: str, tokenizer, model, n_tokens: int, key: str, seed: int = 0,
+                     seq_len: int = SEQ_LEN, budget_key: str = "the token budget") -> torch.Tensor:
+    """(rows, seq_len) token ids, n_tokens in all (rounded down to whole rows): sampled from `model`
+    (a converted model; its teacher path) when `source` is ``self``, else from the file."""
+    if source == SELF:
+        seq = min(seq_len, n_tokens)
+        return sample_self(model, max(n_tokens // seq, 1), seq, start_token(tokenizer), seed=seed)
+    return file_rows(source, tokenizer, n_tokens, key, seed, seq_len, budget_key)
+
+
+def heal_batches(source: str, tokenizer, model, batch_size: int, key: str, seed: int = 0,
+                 seq_len: int = SEQ_LEN, rows: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, None]]:
+    """Endless (input_ids (batch_size, seq_len), None) batches: fresh samples from `model` at every step
+    for ``self``, else rows of the file (or of `rows`, already loaded) drawn at random."""
+    if source == SELF:  # sampled SAMPLE_BATCH rows at a time: per token, batched decoding is cheaper
+        draw = 0
+        while True:
+            draw += 1
+            pool = sample_self(model, max(batch_size, SAMPLE_BATCH), seq_len, start_token(tokenizer),
+                               seed=seed * 1_000_003 + draw)
+            for i in range(0, pool.shape[0] - batch_size + 1, batch_size):
+                yield pool[i : i + batch_size], None
+    if rows is None:
+        rows = file_rows(source, tokenizer, None, key, seed, seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield rows[torch.randint(0, rows.shape[0], (batch_size,), generator=gen)], None
+
+
+def row_batches(rows: torch.Tensor, batch_size: int = 32):
+    """A re-iterable source of (input_ids, None) batches over `rows` (what `models.calibrate` passes over)."""
+    return lambda: ((rows[i : i + batch_size], None) for i in range(0, rows.shape[0], batch_size))

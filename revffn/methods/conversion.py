@@ -1,0 +1,88 @@
+"""Calibrate and heal a converted model from a data source: what `revffn.adapter_init: calibrated`
+and `revffn convert` run (the maths is in `models.calibrate` and `models.heal`).
+
+A source is `self` (text sampled from the unconverted model: no data), a data file or a `builtin:`
+set. Task data alone is a measured failure (docs/conversion.md: fitted or healed on `commas_train`
+the converted base loses more than with no calibration), so a source that is the run's training
+data, or that holds conversations rather than plain text, gets a warning.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+from revffn.data.calibration import SELF, calibration_rows, heal_batches, is_task_data, row_batches
+from revffn.data.formats import load_examples
+from revffn.data.tokenizer import load_tokenizer
+from revffn.models.calibrate import calibrate
+from revffn.models.heal import heal
+from revffn.models.loading import resolve_model_ref
+from revffn.models.presets import TINY_PRESETS
+
+
+def log_line(line: str) -> None:
+    print(f"revffn: {line}", file=sys.stderr, flush=True)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def model_tokenizer(model_ref: str, tokenizer: str | None = None):
+    """The tokenizer training uses for `model_ref`: `tokenizer`, else the model's own, else the shipped one."""
+    return load_tokenizer(tokenizer or (None if model_ref in TINY_PRESETS else resolve_model_ref(model_ref)))
+
+
+def check_source(source: str, key: str, training_data: tuple[str | None, ...] = (), log=log_line) -> None:
+    """Warn when `source` is the training data or task-shaped (conversations) rather than general text."""
+    if source == SELF:
+        return
+    if source in [d for d in training_data if d]:
+        log(f"warning: {key}={source!r} is this run's task data. Adapters fitted to a narrow task lose more of "
+            f"the base than no calibration (docs/conversion.md). Fix: {key}=self or general text.")
+    elif is_task_data(load_examples(source, key)):
+        log(f"warning: {key}={source!r} holds task examples (conversations), not general text: fitted to them the "
+            f"adapters lose more of the base (docs/conversion.md). Fix: {key}=self or plain-text documents.")
+
+
+def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "revffn.calibration_data",
+                    seed: int = 0, log=log_line, budget_key: str = "revffn.calibration_tokens") -> dict:
+    """Fit `model`'s adapters (ridge, layer by layer) on `n_tokens` of `source`; returns the fit report
+    with the data's wall time (sampling for `self`) and the process's peak RSS."""
+    t0 = time.perf_counter()
+    rows = calibration_rows(source, tokenizer, model, n_tokens, key, seed, budget_key=budget_key)
+    device = next(model.parameters()).device
+    data_s = time.perf_counter() - t0
+    log(f"calibrating the adapters on {rows.numel()} tokens of {source} ({rows.shape[0]} rows)")
+    report = calibrate(model, row_batches(rows.to(device)), log=lambda s: log(s))
+    worst = max(report["residuals"].items(), key=lambda kv: kv[1])
+    log(f"calibrated in {report['wall_s']:.1f} s (+{data_s:.1f} s for the data); worst relative residual "
+        f"{worst[1]:.3f} ({worst[0]})")
+    return {**report, "data": source, "tokens": int(rows.numel()), "data_wall_s": round(data_s, 2),
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def heal_model(model, tokenizer, source: str, steps: int, batch_size: int = 8, lr: float = 1e-3,
+               train_norms: bool = False, key: str = "--heal-data", seed: int = 0, log=log_line) -> dict:
+    """`steps` of KL self-distillation of the adapters on `source`; returns the heal report."""
+    device = next(model.parameters()).device
+    batches = ((ids.to(device), None) for ids, _ in heal_batches(source, tokenizer, model, batch_size, key, seed))
+    log(f"healing the adapters: {steps} steps x {batch_size} x 128 tokens of {source}, lr {lr:g}")
+    report = heal(model, batches, steps, lr=lr, train_norms=train_norms, log=log)
+    log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f}")
+    return {**report, "data": source, "batch_size": batch_size, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def calibrate_for_run(model, cfg, opts: dict) -> dict:
+    """`revffn.adapter_init: calibrated` in a training run: warn about task data, calibrate on the run's device."""
+    key = "revffn.calibration_data"
+    check_source(opts["calibration_data"], key, (cfg.data, cfg.eval_data))
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model.to(device)
+    tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
+    return calibrate_model(model, tokenizer, opts["calibration_data"], opts["calibration_tokens"], key, cfg.seed)

@@ -1,0 +1,223 @@
+"""Calibrated adapter init: ridge least squares, layer by layer, so the converted streams track the
+original model's hidden states in the original coordinates.
+
+For layer l the teacher (the HF layer in its original wiring, `models.teacher`) gives
+
+    h_l (layer input),  A_l = Attn(norm(h_l)),  a_l = h_l + A_l,  M_l = MoE(norm(a_l)),  h_{l+1} = a_l + M_l
+
+and the converted block, on its own streams X_1, X_2 (the already calibrated layers below l), is
+fitted adapter by adapter (first half [:h], second half [h:], h = d/2):
+
+    P_up_attn:   X_2                         -> h_l
+    P_down_attn: attention output (of F)     -> a_l[:h] - X_1           (so Y_1 tracks a_l[:h])
+    P_up_moe:    Y_1                         -> a_l
+    P_down_moe:  MoE output (of G)           -> h_{l+1}[h:] - X_2       (so Y_2 tracks h_{l+1}[h:])
+
+Each fit streams over the calibration batches and accumulates XᵀX and XᵀY (and the targets' squared
+norm, for the residual) in fp64: O(d²) per adapter, whatever the number of tokens. Between passes
+each batch's layer inputs (h_l, X_1, X_2) are kept on the host for the current layer only (2·d values
+per token, never × layers), and advanced through the block once it is fitted: five single-layer
+passes per layer (four fits, one advance). `keep_states=False` keeps nothing and reruns each batch through layers
+0..l-1 instead: memory flat in the tokens, at a compute cost quadratic in depth. The solve is ridge
+with lambda = `ridge` × mean(diag XᵀX).
+
+`mode="sequential"` (default) makes one pass per adapter: each adapter sees the inputs its block
+really produces with the adapters fitted before it. `mode="one_pass"` makes one pass per layer and
+feeds P_down_attn, P_up_moe and P_down_moe the teacher's quantities (A_l, a_l[:h], M_l) instead;
+on `builtin:base` it scores 3.02 on `builtin:retention_test` against 2.84 (docs/conversion.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from revffn.models.teacher import teacher_context, teacher_layer
+
+ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
+MODES = ("sequential", "one_pass")
+Batches = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor | None]]]  # a fresh iterator per pass
+
+
+class RidgeFit:
+    """Y ≈ X W for a stream of (X, Y) row blocks: XᵀX, XᵀY and ‖Y‖² accumulated in fp64."""
+
+    def __init__(self, d_in: int, d_out: int, device: torch.device):
+        kw = dict(dtype=torch.float64, device=device)
+        self.xtx, self.xty = torch.zeros(d_in, d_in, **kw), torch.zeros(d_in, d_out, **kw)
+        self.yy = torch.zeros((), **kw)
+        self.rows = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.xtx, self.xty, self.yy))
+
+    def add(self, X: torch.Tensor, Y: torch.Tensor) -> None:
+        """X (n, d_in), Y (n, d_out): rows of one batch (real tokens only)."""
+        X, Y = X.double(), Y.double()
+        self.xtx += X.T @ X
+        self.xty += X.T @ Y
+        self.yy += (Y * Y).sum()
+        self.rows += X.shape[0]
+
+    def solve(self, ridge: float) -> tuple[torch.Tensor, float]:
+        """(W (d_out, d_in): an nn.Linear weight, relative residual ‖XWᵀ - Y‖² / ‖Y‖² on the accumulated rows)."""
+        lam = ridge * self.xtx.diagonal().mean().clamp(min=1e-12)
+        eye = torch.eye(self.xtx.shape[0], dtype=self.xtx.dtype, device=self.xtx.device)
+        W = torch.linalg.solve(self.xtx + lam * eye, self.xty)  # (d_in, d_out)
+        rss = self.yy - 2 * (W * self.xty).sum() + (W * (self.xtx @ W)).sum()
+        return W.T.contiguous(), float(rss / self.yy.clamp(min=1e-30))
+
+
+@contextlib.contextmanager
+def _capture_inputs(modules: dict[str, torch.nn.Module]):
+    """name -> the first positional input of each module's most recent call."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, args[0]))
+               for n, m in modules.items()]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _capture_outputs(modules: dict[str, torch.nn.Module]):
+    """name -> the (first) output of each module's most recent call."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(mod, args, out, n):
+        seen[n] = out[0] if isinstance(out, tuple) else out
+
+    handles = [m.register_forward_hook(lambda mod, a, o, n=n: hook(mod, a, o, n)) for n, m in modules.items()]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _LayerInputs:
+    """Per calibration batch, the teacher's h_l and the converted streams X_1, X_2 at the current layer l.
+
+    keep=True holds them on the host, one layer at a time (2·d values per token, never × layers) and
+    advances them through each fitted block: L + 1 layer forwards per pass over the set. keep=False
+    holds nothing and reruns each batch through layers 0..l-1 instead: memory flat in the tokens, at
+    l extra layer forwards (teacher and converted) per batch and pass.
+    """
+
+    def __init__(self, model, batches: Batches, keep: bool):
+        self.model, self.batches, self.keep, self.layer = model, batches, keep, 0
+        self.kept: list[tuple[torch.Tensor, ...]] | None = None
+
+    def _start(self, input_ids, attention_mask):
+        h, position_ids, sctx = teacher_context(self.model, input_ids, attention_mask)
+        sctx.aux = None  # no load-balancing bookkeeping in calibration
+        return h, position_ids, sctx
+
+    def __iter__(self):
+        """(attention_mask, sctx, position_ids, h, X_1, X_2) per batch, at the current layer."""
+        blocks = list(self.model.blocks)
+        if self.keep and self.kept is not None:
+            for (input_ids, attention_mask), (h, X_1, X_2) in zip(self.batches(), self.kept):
+                _, position_ids, sctx = self._start(input_ids, attention_mask)
+                device = input_ids.device
+                yield attention_mask, sctx, position_ids, h.to(device), X_1.to(device), X_2.to(device)
+            return
+        for input_ids, attention_mask in self.batches():
+            h, position_ids, sctx = self._start(input_ids, attention_mask)
+            X_1, X_2 = h.to(self.model.stream_dtype).chunk(2, dim=-1)
+            for prev in blocks[: self.layer]:  # keep=False: the prefix, teacher and converted, again
+                X_1, X_2 = prev(X_1, X_2, sctx)
+                h = teacher_layer(prev, h, sctx, position_ids)
+            yield attention_mask, sctx, position_ids, h, X_1, X_2
+
+    def advance(self) -> None:
+        """Move to the next layer, the current block being fitted."""
+        if self.keep:
+            block = self.model.blocks[self.layer]
+            kept = []
+            for _, sctx, position_ids, h, X_1, X_2 in self:
+                Y_1, Y_2 = block(X_1, X_2, sctx)
+                kept.append((teacher_layer(block, h, sctx, position_ids).cpu(), Y_1.cpu(), Y_2.cpu()))
+            self.kept = kept
+        self.layer += 1
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for state in self.kept or () for t in state)
+
+
+def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass: bool) -> None:
+    """One pass over the calibration set: accumulate `fits` (adapter name -> RidgeFit) of the current layer."""
+    block = model.blocks[inputs.layer]
+    base, spec = block.base_layer, model.spec
+    for attention_mask, sctx, position_ids, h, X_1, X_2 in inputs:
+        with _capture_outputs({"attn": getattr(base, spec.attn), "mlp": getattr(base, spec.mlp)}) as t:
+            h_next = teacher_layer(block, h, sctx, position_ids)
+        a = h + t["attn"]
+        half = X_1.shape[-1]
+        if one_pass:  # the teacher's attention output, post-attention state and MoE output as inputs
+            inputs_of = {"p_down_attn": t["attn"], "p_up_moe": a[..., :half], "p_down_moe": t["mlp"]}
+        else:  # what the converted block really feeds each adapter, the ones fitted before it in place
+            with _capture_inputs({n: getattr(block, n) for n in ("p_down_attn", "p_down_moe")}) as s:
+                Y_1, _ = block(X_1, X_2, sctx)
+            inputs_of = {"p_down_attn": s["p_down_attn"], "p_up_moe": Y_1, "p_down_moe": s["p_down_moe"]}
+        targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a[..., :half] - X_1),
+                   "p_up_moe": (inputs_of["p_up_moe"], a),
+                   "p_down_moe": (inputs_of["p_down_moe"], h_next[..., half:] - X_2)}
+        rows = slice(None) if attention_mask is None else attention_mask.reshape(-1).bool()
+        for name, fit in fits.items():
+            X, Y = targets[name]
+            fit.add(X.reshape(-1, X.shape[-1])[rows], Y.reshape(-1, Y.shape[-1])[rows])
+
+
+@torch.no_grad()
+def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequential", keep_states: bool = True,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Fit every adapter of `model` (a RevFFNForCausalLM, in place) by streaming ridge least squares.
+
+    Args:
+        batches: called once per pass; yields (input_ids (B, T), attention_mask (B, T) or None).
+        ridge: lambda as a fraction of the mean diagonal of XᵀX.
+        mode: ``sequential`` (one pass per adapter) or ``one_pass`` (one pass per layer; see the module doc).
+        keep_states: hold each batch's layer inputs on the host between passes (linear in depth, 2·d
+            values per token) rather than recomputing them (memory flat in tokens, quadratic in depth).
+        log: called with one line per fitted adapter (its relative residual).
+    Returns:
+        {"residuals": {"layers.L.p_up_attn": rel, ...}, "passes", "rows", "accumulator_bytes" (the largest
+        set of fits held at once), "kept_bytes" (the host states, keep_states), "wall_s", ...}.
+    """
+    if mode not in MODES:
+        raise ValueError(f"calibrate: mode must be one of {MODES}, got {mode!r}")
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    residuals, passes, acc_bytes, rows, kept_bytes = {}, 0, 0, 0, 0
+    groups = [ADAPTERS] if mode == "one_pass" else [(n,) for n in ADAPTERS]
+    inputs = _LayerInputs(model, batches, keep_states)
+    for l, block in enumerate(model.blocks):
+        for group in groups:
+            fits = {n: RidgeFit(getattr(block, n).in_features, getattr(block, n).out_features,
+                                getattr(block, n).weight.device) for n in group}
+            _layer_pass(model, inputs, fits, mode == "one_pass")
+            passes += 1
+            acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
+            for name, fit in fits.items():
+                weight, rel = fit.solve(ridge)
+                layer = getattr(block, name)
+                layer.weight.copy_(weight.to(layer.weight.dtype))
+                residuals[f"layers.{l}.{name}"] = rel
+                rows = fit.rows
+                if log is not None:
+                    log(f"calibrate layer {l} {name}: relative residual {rel:.4f} ({fit.rows} tokens)")
+        if l + 1 < len(model.blocks):
+            inputs.advance()
+            kept_bytes = max(kept_bytes, inputs.nbytes())
+    model.train(was_training)
+    return {"residuals": residuals, "passes": passes, "rows": rows, "accumulator_bytes": acc_bytes,
+            "kept_bytes": kept_bytes, "mode": mode, "keep_states": keep_states, "ridge": ridge,
+            "wall_s": round(time.perf_counter() - t0, 2)}

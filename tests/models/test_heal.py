@@ -1,0 +1,104 @@
+"""The teacher inside a converted model, the chunked KL and the heal (`revffn.models.teacher`, `heal`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from revffn.data.calibration import calibration_rows, heal_batches, row_batches
+from revffn.data.tokenizer import load_tokenizer
+from revffn.models.calibrate import calibrate
+from revffn.models.convert import convert
+from revffn.models.heal import heal
+from revffn.models.loading import load_hf, resolve_model_ref
+from revffn.models.loss import distill_kl
+from revffn.models.presets import tiny_model
+from revffn.models.teacher import sample_self, student_hidden, teacher_hidden, teacher_logits
+from revffn.training.evaluate import retention_loss
+from tests.conftest import GENERIC, REQUIRED
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models, many small ops: one thread is faster than two, and steady on a shared machine."""
+    torch.set_num_threads(1)
+
+
+
+@pytest.mark.parametrize("name", REQUIRED + [GENERIC])
+def test_teacher_reproduces_the_unconverted_logits(name):
+    """The HF layers, run from the converted model in their original wiring, give the unconverted
+    model's logits (fp32, padding included), with no weight copied."""
+    hf = tiny_model(name, num_hidden_layers=3).eval()
+    ids = torch.randint(3, 512, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+    n_params = sum(p.numel() for p in hf.parameters())
+    model = convert(hf).eval()
+    assert sum(p.numel() for p in model.parameters()) - n_params == sum(p.numel() for p in model.adapter_parameters())
+    out = teacher_logits(model, ids, mask)
+    assert (out - ref)[mask.bool()].abs().max() <= 1e-5
+
+
+def test_teacher_reproduces_the_shipped_base():
+    hf = load_hf("builtin:base").eval()
+    ids = torch.randint(3, 2048, (2, 48))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    assert (teacher_logits(convert(hf).eval(), ids) - ref).abs().max() <= 1e-5
+
+
+def test_sampling_with_the_cache_equals_sampling_without():
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).eval()
+    fast = sample_self(model, 3, 16, start_id=2, seed=3)
+    gen, ids = torch.Generator().manual_seed(3), torch.full((3, 1), 2)
+    for _ in range(15):  # the whole prefix again at every step
+        probs = torch.softmax(teacher_logits(model, ids)[:, -1].float(), dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    assert torch.equal(fast, ids)
+
+
+def test_chunked_kl_equals_the_full_kl_and_its_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    student = torch.randn(2, 9, 16, requires_grad=True)
+    teacher = torch.randn(2, 9, 16)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    kl, n = distill_kl(student, teacher, head, mask, chunk_tokens=4)
+    kl.backward()
+    g = student.grad.clone()
+    student.grad = None
+    rows = mask.bool()
+    ref = F.kl_div(F.log_softmax(head(student[rows]), -1), F.log_softmax(head(teacher[rows]), -1),
+                   log_target=True, reduction="sum")
+    ref.backward()
+    assert int(n) == 15
+    assert torch.allclose(kl, ref, atol=1e-5)
+    assert torch.allclose(g, student.grad, atol=1e-6)
+
+
+def test_student_hidden_is_the_final_norm_output():
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).eval()
+    ids = torch.randint(3, 512, (1, 10))
+    with torch.no_grad(), student_hidden(model) as box:
+        logits = model(ids).logits
+    assert torch.allclose(model.hf.lm_head(box[0]), logits)
+    converted_is_teacher = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_init="zero").eval()
+    assert teacher_hidden(converted_is_teacher, ids).shape == box[0].shape
+
+
+def test_heal_lowers_retention_loss():
+    """A few KL steps on text sampled from the base lower the loss on held-out pretraining text."""
+    tok = load_tokenizer(resolve_model_ref("builtin:base"))
+    model = convert(load_hf("builtin:base")).eval()
+    calibrate(model, row_batches(calibration_rows("self", tok, model, 2048, "revffn.calibration_data")))
+    before = retention_loss(model, tok, limit=16)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
+    report = heal(model, heal_batches("self", tok, model, 8, "--heal-data", seq_len=64), steps=12, lr=3e-4)
+    after = retention_loss(model, tok, limit=16)
+    print(before, after, report)
+    assert after < before - 0.03  # measured: 2.825 -> 2.761
+    assert report["kl_last"] < report["kl_first"]
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)  # backbone untouched

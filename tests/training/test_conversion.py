@@ -1,0 +1,86 @@
+"""`revffn convert`: a converted, calibrated, healed directory that trains and reloads; bad input exits 2."""
+
+import json
+
+import pytest
+import torch
+
+from revffn.cli import main
+from revffn.models.loading import is_converted, load
+
+TRAIN = ["method=revffn", "max_steps=2", "revffn.adapter_warmup_steps=1", "data=builtin:commas_train",
+         "eval_data=null", "eval_generate_limit=0", "per_device_train_batch_size=2", "max_seq_length=32",
+         "save_steps=0", "logging_steps=1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models, many small ops: one thread is faster than two, and steady on a shared machine."""
+    torch.set_num_threads(1)
+
+
+def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "2",
+                 "--eval-data", "builtin:commas_val"]) == 0
+    manifest = json.loads((out / "revffn.json").read_text())
+    assert manifest["format"] == "revffn" and is_converted(str(out))
+    assert set(manifest["conversion_gap"]) == {"data", "base", "coordinate", "calibrated", "healed"}
+    assert len(manifest["calibration"]["residuals"]) == 4 * 2 and manifest["heal"]["steps"] == 2
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    converted = load(str(out))
+    coordinate = torch.zeros_like(converted.blocks[0].p_up_attn.weight)
+    coordinate[32:] = torch.eye(32)
+    assert not torch.equal(converted.blocks[0].p_up_attn.weight, coordinate)  # calibrated, not the plain init
+    capsys.readouterr()
+
+    run = tmp_path / "run"
+    assert main(["train", f"model={out}", f"output_dir={run}", *TRAIN]) == 0
+    assert "calibrating" not in capsys.readouterr().err  # started from DIR: not converted or calibrated again
+    final = json.loads((run / "final" / "revffn.json").read_text())
+    assert final["converted_from"] == str(out)
+    trained = load(str(run / "final"))
+    ids = torch.randint(3, 2048, (1, 12))
+    with torch.no_grad():
+        assert torch.isfinite(trained(ids).logits).all()
+        assert not torch.equal(trained(ids).logits, converted(ids).logits)  # it trained
+
+
+def test_a_converted_model_refuses_other_methods_and_a_second_conversion(tmp_path, capsys):
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    capsys.readouterr()
+    assert main(["train", f"model={out}", f"output_dir={tmp_path / 'run'}", *TRAIN[1:], "method=full"]) == 2
+    assert "already converted to RevFFN" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert main(["convert", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert "already converted" in capsys.readouterr().err
+
+
+def test_bad_calibration_data_exits_2_and_writes_nothing(tmp_path, capsys):
+    empty, short = tmp_path / "empty.jsonl", tmp_path / "short.jsonl"
+    empty.write_text("")
+    short.write_text('{"text": "a short text"}\n')
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(empty)]) == 2
+    assert "--calibration-data" in capsys.readouterr().err
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(short),
+                 "--calibration-tokens", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration-data" in err and "--calibration-tokens=4096" in err and "Fix:" in err
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-data",
+                 str(empty)]) == 2
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    run = tmp_path / "run"
+    assert main(["train", "model=tiny-qwen2-moe", f"output_dir={run}", *TRAIN,
+                 "revffn.adapter_init=calibrated", f"revffn.calibration_data={short}",
+                 "revffn.calibration_tokens=4096"]) == 2
+    err = capsys.readouterr().err
+    assert "revffn.calibration_data" in err and "revffn.calibration_tokens=4096" in err and not run.exists()
+
+
+def test_task_data_as_calibration_text_warns(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "model=tiny-qwen2-moe", f"output_dir={run}", *TRAIN,
+                 "revffn.adapter_init=calibrated", "revffn.calibration_data=builtin:commas_train",
+                 "revffn.calibration_tokens=256"]) == 0
+    assert "warning: revffn.calibration_data='builtin:commas_train' is this run's task data" in capsys.readouterr().err
