@@ -15,3 +15,12 @@ def _deterministic():
     torch.manual_seed(0)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and it stays fast when another process holds a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,13 +11,7 @@ from revffn.models.convert import RopePlan
 from revffn.models.spec import ArchSpec
 from revffn.models.tiny_any import tiny_model_for
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.mark.parametrize("model_type,needs", [

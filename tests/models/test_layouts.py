@@ -25,12 +25,7 @@ from revffn.reports.check import make_batch
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def _exact_and_faithful(hf, padded: bool = True, tol: float = TOL) -> dict:

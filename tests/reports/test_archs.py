@@ -32,13 +32,7 @@ FAST = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
         "ernie4_5_moe", "jamba", "doge"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is fastest, and the sweep shares the machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def allowed(model_type: str) -> set[str]:

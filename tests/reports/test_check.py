@@ -7,13 +7,7 @@ import torch
 from revffn.models.tiny_any import tiny_model_for
 from revffn.reports import check
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 def test_grad_error_floors_near_zero_gradients_only():
