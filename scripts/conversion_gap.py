@@ -8,7 +8,8 @@ Every calibrated row is one `revffn convert` run in a fresh process (its revffn.
 wall times and the process's peak RSS). Text sources: `self` (sampled from the base: no data), general
 text (documents of the base's own pretraining corpus, `scripts/corpus.py`, none of them held out),
 task text (`builtin:commas_train`), and a mix (the general text plus every `commas_train` example).
-Results go to OUT/conversion.json; the Markdown page is rendered from it.
+Results go to OUT/conversion.json (and beside the page with --docs: docs/conversion.json); the table is
+rendered from them. A rerun with the same --out reuses the rows whose model directory is complete.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,14 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     if heal:
         cmd += ["--heal-steps", str(steps), "--heal-data", src[heal]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
-    m = json.loads((target / "revffn.json").read_text())
+    done = target / "revffn.json"
+    want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
+            "heal_data": src[heal] if heal else "self"}
+    if not (done.is_file() and all(json.loads(done.read_text())["convert"][k] == v for k, v in want.items())):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
+        if proc.returncode != 0:
+            return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
+    m = json.loads(done.read_text())
     gap, cal, hl = m["conversion_gap"], m["calibration"], m["heal"]
     return {"name": name, "status": "ok", "calibration_data": calibration, "calibration_tokens": cal["tokens"],
             "heal_data": heal, "heal_steps": steps if heal else 0,
@@ -81,7 +84,7 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
             "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
             "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
             "kept_bytes": cal["kept_bytes"], "worst_residual": max(cal["residuals"].values()),
-            "process_s": round(time.time() - t0, 1), "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+            "wall_s": m["wall_s"], "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
 
 
 def render(data: dict) -> str:
@@ -136,6 +139,7 @@ def main() -> None:
     print(table)
     if args.docs:
         page = Path(args.docs)
+        page.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")  # the table's data, beside it
         text = page.read_text()
         start, end = "<!-- conversion-gap:start -->\n", "<!-- conversion-gap:end -->"
         head, rest = text.split(start, 1)

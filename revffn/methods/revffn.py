@@ -133,9 +133,13 @@ class RevFFNMethod(Method):
         working = max(ctx.layers[i] + extra + aux * m.moe[i] for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
             "router frozen" if freeze_router else "router trainable")
+        accumulators = 8 * (m.d * m.d + m.d * (m.d // 2) + 1)  # fp64 XᵀX, XᵀY, ‖Y‖² of P_down, the largest fit
         notes = (f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward",
-                 f"revffn: {adapters} adapter params; {state}")
+                 f"revffn: {adapters} adapter params; {state}",
+                 f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
+                 f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "
+                 "the host; a heal step is stage 1 (--option stage=1) plus one no-grad teacher forward")
         act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * (m.d // 2) * stream + records
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters,
                            recompute_working_set=working, routing_records=records, notes=notes)

@@ -24,7 +24,7 @@ import torch
 
 from revffn.models.loss import distill_kl
 from revffn.models.spec import get_path
-from revffn.models.teacher import student_hidden, teacher_hidden
+from revffn.models.teacher import student_hidden, teacher_context, teacher_hidden, teacher_layer
 
 
 def norm_parameters(model) -> list[torch.nn.Parameter]:
@@ -58,11 +58,50 @@ def heal_lr(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1))))
 
 
+@torch.no_grad()
+def _teacher_states(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The teacher's final hidden states and, per layer, what calibration makes Y_1 and Y_2 track:
+    (a_l[:h], h_{l+1}[h:]), a_l = h_l + attention output (see `models.calibrate`)."""
+    h, position_ids, sctx = teacher_context(model, input_ids, attention_mask)
+    states, seen = [], {}
+    for block in model.blocks:
+        attn = getattr(block.base_layer, model.spec.attn)
+        handle = attn.register_forward_hook(lambda m, a, out: seen.__setitem__("attn", out[0]))
+        h_next = teacher_layer(block, h, sctx, position_ids)
+        handle.remove()
+        half = h.shape[-1] // 2
+        states.append(((h + seen["attn"])[..., :half], h_next[..., half:]))
+        h = h_next
+    return get_path(model.hf, model.spec.final_norm)(h), states
+
+
+@contextlib.contextmanager
+def _block_outputs(model):
+    """Every block's (Y_1, Y_2), with their graph (the plain twin: model.reversible is False)."""
+    outs: list = []
+    handles = [b.register_forward_hook(lambda m, a, out: outs.append(out)) for b in model.blocks]
+    try:
+        yield outs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _hidden_mse(outs, states) -> torch.Tensor:
+    """Mean over layers of ‖(Y_1, Y_2) − targets‖² / ‖targets‖²."""
+    terms = [((Y_1 - t_1).pow(2).sum() + (Y_2 - t_2).pow(2).sum()) / (t_1.pow(2).sum() + t_2.pow(2).sum())
+             for (Y_1, Y_2), (t_1, t_2) in zip(outs, states)]
+    return torch.stack(terms).mean()
+
+
 def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], steps: int, lr: float = 1e-3,
-         train_norms: bool = False, max_grad_norm: float = 1.0, log: Callable[[str], None] | None = None,
-         log_every: int = 50) -> dict:
+         train_norms: bool = False, hidden_coef: float = 0.0, max_grad_norm: float = 1.0,
+         log: Callable[[str], None] | None = None, log_every: int = 50) -> dict:
     """Train the adapters (and the norms if `train_norms`) of `model` for `steps` AdamW steps of
     KL(teacher ‖ student) at `heal_lr`. `batches` yields (input_ids, attention_mask).
+
+    `hidden_coef` > 0 adds that times the per-layer hidden-state MSE (relative, to the targets of the
+    calibration); it needs every layer's graph, so the student then runs as the plain twin.
 
     Returns {"steps", "lr", "train_norms", "kl_first", "kl_last" (mean of the last 10 steps), "tokens", "wall_s"}.
     """
@@ -75,8 +114,9 @@ def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], ste
         p.requires_grad_(id(p) in trainable)
     optimizer = torch.optim.AdamW(params + norms, lr=lr, weight_decay=0.0)
     head = get_path(model.hf, model.spec.head)
-    was_training = model.training
+    was_training, was_reversible = model.training, model.reversible
     model.train()
+    model.reversible = model.reversible and not hidden_coef
     t0, tokens, kls = time.perf_counter(), 0, []
     try:
         for step in range(steps):
@@ -84,12 +124,16 @@ def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], ste
             for group in optimizer.param_groups:
                 group["lr"] = heal_lr(step, steps, lr)
             with _original_norms(norms, originals) if norms else contextlib.nullcontext():
-                target = teacher_hidden(model, input_ids, attention_mask)
-            with student_hidden(model) as box:
+                if hidden_coef:
+                    target, states = _teacher_states(model, input_ids, attention_mask)
+                else:
+                    target = teacher_hidden(model, input_ids, attention_mask)
+            keep_layers = _block_outputs(model) if hidden_coef else contextlib.nullcontext([])
+            with student_hidden(model) as box, keep_layers as outs:
                 model(input_ids, attention_mask=attention_mask, return_logits=False)
             kl_sum, n = distill_kl(box[0], target, head, attention_mask, model.chunk_tokens)
             loss = kl_sum / n.clamp(min=1)
-            loss.backward()
+            (loss + hidden_coef * _hidden_mse(outs, states) if hidden_coef else loss).backward()
             if max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params + norms, max_grad_norm)
             optimizer.step()
@@ -102,7 +146,8 @@ def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], ste
         for p in model.parameters():
             p.requires_grad_(was[id(p)])
         model.train(was_training)
+        model.reversible = was_reversible
     tail = kls[-10:]
-    return {"steps": steps, "lr": lr, "train_norms": train_norms, "kl_first": kls[0] if kls else None,
-            "kl_last": sum(tail) / len(tail) if tail else None, "tokens": tokens,
+    return {"steps": steps, "lr": lr, "train_norms": train_norms, "hidden_coef": hidden_coef,
+            "kl_first": kls[0] if kls else None, "kl_last": sum(tail) / len(tail) if tail else None, "tokens": tokens,
             "wall_s": round(time.perf_counter() - t0, 2)}

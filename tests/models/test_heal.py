@@ -8,7 +8,7 @@ from revffn.data.calibration import calibration_rows, heal_batches, row_batches
 from revffn.data.tokenizer import load_tokenizer
 from revffn.models.calibrate import calibrate
 from revffn.models.convert import convert
-from revffn.models.heal import heal
+from revffn.models.heal import heal, norm_parameters
 from revffn.models.loading import load_hf, resolve_model_ref
 from revffn.models.loss import distill_kl
 from revffn.models.presets import tiny_model
@@ -102,3 +102,16 @@ def test_heal_lowers_retention_loss():
     assert after < before - 0.03  # measured: 2.825 -> 2.761
     assert report["kl_last"] < report["kl_first"]
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)  # backbone untouched
+
+
+def test_heal_with_norms_and_hidden_mse_runs_and_restores_the_model():
+    """The options: norms train too (the teacher keeps their original values), the per-layer hidden MSE
+    runs the plain twin for the heal only."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
+    norms = [p.detach().clone() for p in norm_parameters(model)]
+    ids = torch.randint(3, 512, (4, 16))
+    batches = iter([(ids, None)] * 3)
+    report = heal(model, batches, steps=3, lr=1e-2, train_norms=True, hidden_coef=1.0)
+    assert report["hidden_coef"] == 1.0 and model.reversible
+    assert not all(torch.equal(a, b) for a, b in zip(norms, norm_parameters(model)))  # the norms trained
+    assert all(p.requires_grad for p in model.parameters())  # as before the heal
