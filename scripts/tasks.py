@@ -119,7 +119,7 @@ def commas(n: int, seed: int = 0) -> list[dict]:
 
 # builtin name prefix -> (generator, seed, [(split, size), ...]); splits are consecutive slices of one pool.
 BUILTIN_SPLITS: dict[str, tuple[Callable[[int, int], list[dict]], int, list[tuple[str, int]]]] = {
-    "quickstart": (quickstart, 1234, [("train", 600), ("test", 64)]),
+    "quickstart": (quickstart, 1234, [("train", 600), ("test", 64), ("val", 64)]),  # val last: train, test as before
     "gsm": (mini_gsm, 2345, [("train", 1000), ("val", 100), ("test", 100)]),
     "format": (format_task, 3456, [("train", 1000), ("val", 100), ("test", 100)]),
     "commas": (commas, 4567, [("train", 1000), ("val", 100), ("test", 100)]),

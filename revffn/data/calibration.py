@@ -71,23 +71,44 @@ def calibration_rows(source: str, tokenizer, model, n_tokens: int, key: str, see
     return file_rows(source, tokenizer, n_tokens, key, seed, seq_len, budget_key)
 
 
+class StepRows:
+    """`n_rows` rows of heal text for any training step, a function of (seed, step) alone, so a resumed
+    run heals on the same text: for ``self`` pools of `SAMPLE_BATCH` rows sampled from the model
+    (batched decoding is cheaper per token), one pool per run of steps it covers; for a file, rows
+    drawn at random with a generator seeded by (seed, step).
+
+        rows = StepRows("self", tokenizer, n_rows=8, key="revffn.heal_data")(model, step)   # (8, SEQ_LEN)
+    """
+
+    def __init__(self, source: str, tokenizer, n_rows: int, key: str, seed: int = 0, seq_len: int = SEQ_LEN,
+                 rows: torch.Tensor | None = None):
+        self.source, self.n_rows, self.seed, self.seq_len = source, n_rows, seed, seq_len
+        self.start_id = start_token(tokenizer)
+        self.rows = rows if rows is not None or source == SELF else file_rows(source, tokenizer, None, key, seed,
+                                                                                  seq_len)
+        self.per_pool = max(1, max(SAMPLE_BATCH, n_rows) // n_rows)  # steps one sampled pool serves
+        self._pool: tuple[int, torch.Tensor] | None = None
+
+    def __call__(self, model, step: int) -> torch.Tensor:
+        if self.rows is not None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            return self.rows[torch.randint(0, self.rows.shape[0], (self.n_rows,), generator=gen)]
+        k, i = divmod(step, self.per_pool)
+        if self._pool is None or self._pool[0] != k:
+            pool = sample_self(model, self.per_pool * self.n_rows, self.seq_len, self.start_id,
+                               seed=self.seed * 1_000_003 + k + 1)
+            self._pool = (k, pool)
+        return self._pool[1][i * self.n_rows : (i + 1) * self.n_rows]
+
+
 def heal_batches(source: str, tokenizer, model, batch_size: int, key: str, seed: int = 0,
                  seq_len: int = SEQ_LEN, rows: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, None]]:
-    """Endless (input_ids (batch_size, seq_len), None) batches: fresh samples from `model` at every step
-    for ``self``, else rows of the file (or of `rows`, already loaded) drawn at random."""
-    if source == SELF:  # sampled SAMPLE_BATCH rows at a time: per token, batched decoding is cheaper
-        draw = 0
-        while True:
-            draw += 1
-            pool = sample_self(model, max(batch_size, SAMPLE_BATCH), seq_len, start_token(tokenizer),
-                               seed=seed * 1_000_003 + draw)
-            for i in range(0, pool.shape[0] - batch_size + 1, batch_size):
-                yield pool[i : i + batch_size], None
-    if rows is None:
-        rows = file_rows(source, tokenizer, None, key, seed, seq_len)
-    gen = torch.Generator().manual_seed(seed)
+    """Endless (input_ids (batch_size, seq_len), None) batches, step by step from `StepRows`."""
+    step_rows = StepRows(source, tokenizer, batch_size, key, seed, seq_len, rows)
+    step = 0
     while True:
-        yield rows[torch.randint(0, rows.shape[0], (batch_size,), generator=gen)], None
+        yield step_rows(model, step), None
+        step += 1
 
 
 def row_batches(rows: torch.Tensor, batch_size: int = 32):

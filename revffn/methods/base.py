@@ -70,6 +70,18 @@ class Method:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    def step_batches(self, model: nn.Module, step: int, micro_batches: list[dict]) -> list[dict]:
+        """The micro-batches step `step` trains on. Default: the task's (RevFFN's heal stage swaps in
+        heal text). Must depend only on `step` and the config, so that a resumed run sees the same."""
+        return micro_batches
+
+    def forward(self, model: nn.Module, batch: dict, step: int) -> tuple:
+        """(output, extra) of one micro-batch: `output.loss_sum` is summed over the positions its labels
+        select (train_step divides by their count over the step's micro-batches); `extra` is None or a
+        scalar loss already averaged over this micro-batch (train_step divides it by the number of
+        micro-batches). Default: the model's causal-LM loss, nothing extra."""
+        return model(**batch, return_logits=False), None
+
     def schedule_position(self, step: int) -> int:
         """Position of `step` in the LR schedule (HiFT advances once per cycle)."""
         return step

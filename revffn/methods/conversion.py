@@ -68,12 +68,13 @@ def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "re
 
 
 def heal_model(model, tokenizer, source: str, steps: int, batch_size: int = 8, lr: float = 1e-3,
-               train_norms: bool = False, key: str = "--heal-data", seed: int = 0, log=log_line) -> dict:
+               train_norms: bool = False, key: str = "--heal-data", seed: int = 0, log=log_line,
+               hidden_coef: float = 0.0) -> dict:
     """`steps` of KL self-distillation of the adapters on `source`; returns the heal report."""
     device = next(model.parameters()).device
     batches = ((ids.to(device), None) for ids, _ in heal_batches(source, tokenizer, model, batch_size, key, seed))
     log(f"healing the adapters: {steps} steps x {batch_size} x 128 tokens of {source}, lr {lr:g}")
-    report = heal(model, batches, steps, lr=lr, train_norms=train_norms, log=log)
+    report = heal(model, batches, steps, lr=lr, train_norms=train_norms, hidden_coef=hidden_coef, log=log)
     log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f}")
     return {**report, "data": source, "batch_size": batch_size, "peak_rss_bytes": peak_rss_bytes()}
 

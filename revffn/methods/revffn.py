@@ -1,10 +1,15 @@
 """`revffn`: full fine-tuning through reversible blocks, in two stages.
 
-Stage 1 (`adapter_warmup_steps`): only the projection adapters P_up/P_down train; the pretrained
-backbone is frozen so the new parts first learn to speak its language. Stage 2: everything trains
-except the routers (`freeze_router: true`, for routing stability). One AdamW holds every parameter
-that will ever train; frozen ones have no gradient, so AdamW skips them and keeps the adapters'
-state across the boundary.
+Stage 1 (`adapter_warmup_steps`), the heal: only the projection adapters P_up/P_down train, the
+pretrained backbone is frozen, and the loss is KL(unconverted model ‖ converted model) on general
+text (`heal_data`, default `self`: text sampled from the base; no data needed). The teacher is the
+same frozen weights in their original wiring (`models.teacher`), so nothing is copied.
+`heal_data: task` is the old warm-up instead: cross-entropy on the task's batches (a measured
+failure for retention, docs/conversion.md). Stage 2: everything trains except the routers
+(`freeze_router: true`, for routing stability); `distill_coef` > 0 adds KL to the original model on
+each training batch, its teacher a frozen copy of the weights taken before training (+1x weights).
+One AdamW holds every parameter that will ever train; frozen ones have no gradient, so AdamW skips
+them and keeps the adapters' state across the boundary.
 
 Trades: activation memory flat in depth (two d/2 streams + one layer) for one extra forward per
 layer in backward; grads and optimizer states stay those of full fine-tuning.
@@ -12,18 +17,25 @@ layer in backward; grads and optimizer states stay those of full fine-tuning.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
 from torch import nn
 
+from revffn.data.calibration import SELF
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.convert import ADAPTER_INITS, RevFFNForCausalLM, convert
+from revffn.models.loss import distill_kl
+from revffn.models.spec import get_path
+from revffn.models.teacher import student_hidden, teacher_hidden
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
+
+TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
 
 
 class RevFFNMethod(Method):
@@ -37,19 +49,28 @@ class RevFFNMethod(Method):
         "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
                                 "builtin:NAME; general text, never the task data alone"),
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
+        "heal_data": Key(str, "self", "stage 1: text the adapters heal on by KL to the unconverted model: `self` "
+                         "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data"),
+        "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
+                            "(a frozen copy of the weights: +1x weights memory)", min=0.0),
     }
     ESTIMATE_OPTIONS = {
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
         "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
+        "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
     }
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
     converted_from: str | None = None  # set by `prepare` when the model came converted
     calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
+    teacher: nn.Module | None = None  # distill_coef > 0: frozen copy of the model before training
+    heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
-    STUDY_OPTIONS = {"adapter_warmup_steps": 20, "adapter_init": "coordinate", "freeze_router": True}
-    STUDY_GAP_VARIANTS = {f"{init}-w{warm}": {"adapter_init": init, "adapter_warmup_steps": warm}
-                          for init in ("coordinate", "zero") for warm in (20, 50)}
+    STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True}  # the defaults: calibrated, heal on self
+    STUDY_GAP_VARIANTS = {  # the old default (coordinate init, task warm-up) and the stage-2 guard
+        "old-default": {"adapter_init": "coordinate", "heal_data": TASK},
+        "distill-1": {"distill_coef": 1.0},
+    }
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -63,12 +84,19 @@ class RevFFNMethod(Method):
 
             file_rows(opts["calibration_data"], model_tokenizer(cfg.model, cfg.tokenizer), opts["calibration_tokens"],
                       "revffn.calibration_data", budget_key="revffn.calibration_tokens")
+        if opts["adapter_warmup_steps"] and opts["heal_data"] not in (SELF, TASK):
+            from revffn.data.calibration import file_rows
+            from revffn.methods.conversion import model_tokenizer
+
+            file_rows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer), None, "revffn.heal_data")
 
     @classmethod
     def study_options(cls, steps: int, **variant) -> dict:
         """STUDY_OPTIONS and `variant`, the warm-up cut to leave a stage-2 step in a short run."""
         opts = {**cls.STUDY_OPTIONS, **variant}
         opts["adapter_warmup_steps"] = min(opts["adapter_warmup_steps"], steps - 1)
+        if steps < opts["adapter_warmup_steps"] + 10:  # a smoke run (`--quick`): calibrate on little text
+            opts["calibration_tokens"] = 1024
         return opts
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
@@ -79,13 +107,34 @@ class RevFFNMethod(Method):
             hf_model.stream_dtype = dtype
             if self.cfg.router_aux_loss_coef is not None:
                 hf_model.aux_loss_coef = self.cfg.router_aux_loss_coef
-            return hf_model
+            return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef)
         if self.opts["adapter_init"] == "calibrated":
             from revffn.methods.conversion import calibrate_for_run
 
             self.calibration = calibrate_for_run(model, self.cfg, self.opts)
+        return self._prepare_stages(model)
+
+    def _prepare_stages(self, model: nn.Module) -> nn.Module:
+        """The heal's text source (stage 1) and the frozen teacher copy (stage 2, distill_coef > 0)."""
+        cfg, opts = self.cfg, self.opts
+        if opts["adapter_warmup_steps"] and opts["heal_data"] != TASK:
+            from revffn.data.calibration import StepRows
+            from revffn.methods.conversion import check_source, model_tokenizer
+
+            check_source(opts["heal_data"], "revffn.heal_data", (cfg.data, cfg.eval_data))
+            self.heal_rows = StepRows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer),
+                                      cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
+                                      "revffn.heal_data", cfg.seed)
+        elif opts["adapter_warmup_steps"]:
+            from revffn.methods.conversion import log_line
+
+            log_line("warning: revffn.heal_data=task: stage 1 trains the adapters on the task's batches, which "
+                     "loses more of the base than healing on general text (docs/conversion.md). Fix: "
+                     "revffn.heal_data=self.")
+        if opts["distill_coef"] > 0:
+            self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         return model
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
@@ -95,13 +144,54 @@ class RevFFNMethod(Method):
         return self.opts["adapter_warmup_steps"]
 
     def stage(self, step: int) -> str:
-        return "warmup" if step < self.opts["adapter_warmup_steps"] else "joint"
+        if step >= self.opts["adapter_warmup_steps"]:
+            return "joint"
+        return "warmup" if self.opts["heal_data"] == TASK else "heal"
 
     def set_trainable(self, model, step: int, optimizer=None) -> str:
         stage = self.stage(step)
-        params = model.adapter_parameters() if stage == "warmup" else self.optimizer_parameters(model)
+        params = self.optimizer_parameters(model) if stage == "joint" else model.adapter_parameters()
         set_requires_grad(model, {id(p) for p in params})
         return stage
+
+    def step_batches(self, model, step: int, micro_batches: list[dict]) -> list[dict]:
+        """The heal stage trains on heal text (rows of 128 tokens, as many rows per micro-batch as the
+        task's), every position predicted; otherwise the task's batches."""
+        if self.stage(step) != "heal":
+            return micro_batches
+        rows = self.heal_rows(model, step).cpu()
+        return [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r}
+                for r in rows.split(self.cfg.per_device_train_batch_size)]
+
+    def forward(self, model, batch: dict, step: int) -> tuple:
+        """Heal stage: `loss_sum` is KL(teacher ‖ student) summed over the positions the labels select,
+        the teacher the model's own frozen backbone in its original wiring. Joint stage with
+        distill_coef > 0: the task's loss plus distill_coef x KL to the frozen copy, averaged over the
+        batch's tokens. Otherwise the causal-LM loss."""
+        heal = self.stage(step) == "heal"
+        if not heal and not (self.opts["distill_coef"] > 0 and self.stage(step) == "joint"):
+            return model(**batch, return_logits=False), None
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        teacher = model if heal else self._teacher_on(model)
+        target = teacher_hidden(teacher, ids, mask)
+        with student_hidden(model) as box:
+            out = model(**({"input_ids": ids, "attention_mask": mask} if heal else batch), return_logits=False)
+        head = get_path(model.hf, model.spec.head)
+        if heal:  # the CE positions: t predicts labels[t + 1]
+            kl_mask = torch.zeros_like(ids, dtype=torch.bool)
+            kl_mask[:, :-1] = batch["labels"][:, 1:] != -100
+            out.loss_sum, _ = distill_kl(box[0], target, head, kl_mask, model.chunk_tokens)
+            return out, None
+        kl_sum, n = distill_kl(box[0], target, head, mask, model.chunk_tokens,
+                               teacher_head=get_path(teacher.hf, teacher.spec.head))
+        return out, self.opts["distill_coef"] * kl_sum / n.clamp(min=1)
+
+    def _teacher_on(self, model) -> nn.Module:
+        """The frozen copy, moved to the model's device on first use (it is built on the host)."""
+        device = next(model.parameters()).device
+        if next(self.teacher.parameters()).device != device:
+            self.teacher.to(device)
+        return self.teacher
 
     def export(self, model, out_dir: Path) -> None:
         """The converted model's weights (safetensors), the base HF config, and revffn.json."""
@@ -115,10 +205,12 @@ class RevFFNMethod(Method):
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
     def estimate_options(cls, section: dict) -> dict:
-        return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"]}
+        return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"],
+                "distill_coef": section["distill_coef"]}
 
     @classmethod
-    def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str) -> MemoryTerms:
+    def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
+                     distill_coef: float = 0.0) -> MemoryTerms:
         """Forward: two d/2 streams and the routing records (`compact_index_dtype` per token and
         choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
         working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router)."""
@@ -140,6 +232,10 @@ class RevFFNMethod(Method):
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
                  f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "
                  "the host; a heal step is stage 1 (--option stage=1) plus one no-grad teacher forward")
-        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * (m.d // 2) * stream + records
-        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters,
+        teacher = counts["total"] + adapters if distill_coef > 0 and stage == 2 else 0
+        if teacher:
+            notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights ({teacher} params, "
+                      "counted under weights) and its (B, T, d) final hidden states",)
+        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * (m.d // 2) * stream + records + (N * m.d * s if teacher else 0)
+        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters + teacher,
                            recompute_working_set=working, routing_records=records, notes=notes)

@@ -125,16 +125,18 @@ class SwitchAux:
         return (probs * weight).sum()
 
 
-def _chunk_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+def _chunk_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, bias,
+              teacher_weight: torch.Tensor, teacher_bias) -> torch.Tensor:
     log_q = F.log_softmax(F.linear(student, weight, bias).float(), dim=-1)  # (n, V) student
     with torch.no_grad():
-        log_p = F.log_softmax(F.linear(teacher, weight, bias).float(), dim=-1)  # (n, V) teacher
+        log_p = F.log_softmax(F.linear(teacher, teacher_weight, teacher_bias).float(), dim=-1)  # (n, V) teacher
     return (log_p.exp() * (log_p - log_q)).sum()
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, head: torch.nn.Linear,
                attention_mask: torch.Tensor | None = None,
-               chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_tokens: int = CHUNK_TOKENS,
+               teacher_head: torch.nn.Linear | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed KL(teacher ‖ student) of the next-token distributions, and the number of positions.
 
     Chunked like `causal_lm_loss`: one chunk's two (n, V) fp32 logits at a time, the student's
@@ -144,7 +146,9 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, head: torch.nn.Line
         student, teacher: (B, T, d) final hidden states (after the final norm); the teacher's carry no grad.
         head: the LM head both share.
         attention_mask: (B, T), 0 on padding (those positions are left out); None: every position.
+        teacher_head: the teacher's own head when it is not `head` (a frozen copy while the student's trains).
     """
+    t_head = head if teacher_head is None else teacher_head
     d = student.shape[-1]
     rows = None if attention_mask is None else attention_mask.reshape(-1).bool()
     s, t = student.reshape(-1, d), teacher.detach().reshape(-1, d)
@@ -154,7 +158,8 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, head: torch.nn.Line
     for start in range(0, s.shape[0], chunk_tokens):
         ss, ts = s[start : start + chunk_tokens], t[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_kl, ss, ts, head.weight, head.bias, use_reentrant=False)
+            total = total + checkpoint(_chunk_kl, ss, ts, head.weight, head.bias, t_head.weight, t_head.bias,
+                                       use_reentrant=False)
         else:
-            total = total + _chunk_kl(ss, ts, head.weight, head.bias)
+            total = total + _chunk_kl(ss, ts, head.weight, head.bias, t_head.weight, t_head.bias)
     return total, torch.tensor(s.shape[0], device=student.device)

@@ -55,6 +55,7 @@ class ConvertSpec:
     heal_batch_size: int = 8
     heal_lr: float = 1e-3
     heal_norms: bool = False
+    heal_hidden_coef: float = 0.0
     eval_data: str | None = None
     stream_dtype: str = "float32"
     seed: int = 0
@@ -67,6 +68,8 @@ def validate(spec: ConvertSpec):
     if is_converted(spec.model):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
     parse_dtype(spec.stream_dtype, "--stream-dtype")
+    if spec.heal_hidden_coef < 0:
+        raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a positive weight.")
     out = Path(spec.out)
     if out.exists() and any(out.iterdir()) and not spec.overwrite:
         raise UserError(f"--out: {spec.out!r} exists and is not empty. Nothing was written. Fix: choose a new "
@@ -111,7 +114,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     heal = None
     if spec.heal_steps:
         heal = heal_model(model, tokenizer, spec.heal_data, spec.heal_steps, spec.heal_batch_size, spec.heal_lr,
-                          spec.heal_norms, "--heal-data", spec.seed, log)
+                          spec.heal_norms, "--heal-data", spec.seed, log, hidden_coef=spec.heal_hidden_coef)
         if data:
             gap["healed"] = retention_loss(model, tokenizer, data)
     if data:

@@ -8,8 +8,9 @@ AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer st
 
     stage = method.set_trainable(step)
     lr    = lr_at(method.schedule_position(step), method.schedule_length(max_steps), ...)
-    for each micro-batch:  forward under autocast
-        loss = loss_sum / n_total  (+ aux_loss_coef * aux_loss / n_micro when the router trains)
+    micro_batches = method.step_batches(step)       # the task's, or what the method's stage trains on
+    for each micro-batch:  output, extra = method.forward(...) under autocast
+        loss = loss_sum / n_total  (+ extra / n_micro)  (+ aux_loss_coef * aux_loss / n_micro when the router trains)
         loss.backward()
     clip to max_grad_norm (0 disables), AdamW step, zero_grad(set_to_none=True), method.after_step
 
@@ -55,6 +56,7 @@ class StepResult:
     lr: float
     loss_sum: torch.Tensor  # () fp32 on the device: summed token losses of all micro-batches (no host sync)
     n_tokens: int  # predicted tokens (labels != -100) of all micro-batches
+    n_inputs: int  # input tokens (attention_mask) of the micro-batches the step trained on
     grad_norm: torch.Tensor  # total norm before clipping
     aux_loss: torch.Tensor | None  # the last micro-batch's router aux loss, detached
 
@@ -98,13 +100,17 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
                cfg.warmup_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
     for group in optimizer.param_groups:
         group["lr"] = lr
+    micro_batches = method.step_batches(model, step, micro_batches)
     n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
+    n_inputs = sum(int(m["attention_mask"].sum()) for m in micro_batches)
     loss_sum = torch.zeros((), device=run.device)
     for mb in micro_batches:
         mb = {k: v.to(run.device, non_blocking=True) for k, v in mb.items()}
         with run.autocast(), forward_context():
-            out = model(**mb, return_logits=False)
+            out, extra = method.forward(model, mb, step)
         loss = out.loss_sum / max(n_total, 1)
+        if extra is not None:
+            loss = loss + extra / len(micro_batches)
         if out.aux_loss is not None and out.aux_loss.requires_grad:
             loss = loss + model.aux_loss_coef * out.aux_loss / len(micro_batches)
         loss.backward()
@@ -118,4 +124,4 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step, model, optimizer)
     aux = out.aux_loss.detach() if out.aux_loss is not None else None
-    return StepResult(stage, lr, loss_sum, n_total, grad_norm, aux)
+    return StepResult(stage, lr, loss_sum, n_total, n_inputs, grad_norm, aux)

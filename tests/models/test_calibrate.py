@@ -15,11 +15,7 @@ from revffn.models.teacher import sample_self
 from revffn.training.evaluate import retention_loss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models, many small ops: one thread is faster than two, and steady on a shared machine."""
-    torch.set_num_threads(1)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.fixture(scope="module")

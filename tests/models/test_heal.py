@@ -17,11 +17,7 @@ from revffn.training.evaluate import retention_loss
 from tests.conftest import GENERIC, REQUIRED
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models, many small ops: one thread is faster than two, and steady on a shared machine."""
-    torch.set_num_threads(1)
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 
 @pytest.mark.parametrize("name", REQUIRED + [GENERIC])

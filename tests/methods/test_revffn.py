@@ -1,0 +1,130 @@
+"""RevFFN's stages: stage 1 heals the adapters by KL to the unconverted model; stage 2's optional
+distillation term is KL to a frozen copy of the original weights. Checked against plain references:
+full (B, T, V) logits of the unconverted HF model and `F.kl_div`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from revffn.cli import main
+from revffn.methods import method_class
+from revffn.models.loading import load_hf
+from revffn.training.config import load_config
+from revffn.training.step import build_run, train_step
+from tests.methods._util import batch, metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64, vocab_size: 500}",
+        "method=revffn", "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "learning_rate=1e-3",
+        "per_device_train_batch_size=2", "max_steps=6"]
+
+
+def _run(*overrides: str):
+    cfg = load_config(None, [*TINY, *overrides])
+    return cfg, build_run(cfg, torch.device("cpu"))
+
+
+def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Summed KL(teacher ‖ student) over `positions` (B, T) from full logits: the reference."""
+    t = F.log_softmax(teacher_logits[positions].double(), -1)
+    s = F.log_softmax(student_logits[positions].double(), -1)
+    return F.kl_div(s, t, log_target=True, reduction="sum")
+
+
+def _original(cfg) -> torch.nn.Module:
+    """The unconverted HF model, rebuilt as the run built it (same seed => same weights)."""
+    return load_hf(cfg.model, seed=cfg.seed, **cfg.model_config).eval()
+
+
+def test_heal_step_is_kl_to_the_unconverted_model_and_trains_only_adapters():
+    cfg, run = _run("revffn.adapter_warmup_steps=3")  # heal_data: self (the default)
+    model, method = run.model, run.method
+    [mb] = method.step_batches(model, 0, [batch(vocab=500)])
+    assert mb["input_ids"].shape == (2, 128) and torch.equal(mb["labels"], mb["input_ids"])
+    with torch.no_grad():
+        ref_teacher = _original(cfg)(input_ids=mb["input_ids"]).logits
+        student = model(mb["input_ids"]).logits
+    positions = torch.zeros_like(mb["input_ids"], dtype=torch.bool)
+    positions[:, :-1] = True  # position t predicts token t + 1
+    expected = _kl(ref_teacher, student, positions)
+    adapters = {id(p) for p in model.adapter_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = train_step(run, 0, [batch(vocab=500)])  # the task batch is replaced by heal text
+    assert result.stage == "heal" and result.n_tokens == 2 * 127
+    assert float(result.loss_sum) == pytest.approx(float(expected), rel=1e-4)  # fp32 vs fp64 sums
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert moved and all(id(dict(model.named_parameters())[n]) in adapters for n in moved)
+    # the same step's rows again (an exact resume): a function of the step alone
+    assert torch.equal(method.step_batches(model, 0, [batch()])[0]["input_ids"], mb["input_ids"])
+    assert not torch.equal(method.step_batches(model, 1, [batch()])[0]["input_ids"], mb["input_ids"])
+
+
+def test_task_warmup_keeps_the_task_batches():
+    _, run = _run("revffn.adapter_warmup_steps=2", "revffn.heal_data=task")
+    task = [batch(vocab=500)]
+    assert run.method.step_batches(run.model, 0, task) is task
+    assert train_step(run, 0, task).stage == "warmup"
+
+
+def test_distill_term_is_kl_to_the_frozen_original():
+    cfg, run = _run("revffn.adapter_warmup_steps=0", "revffn.distill_coef=0.5", "learning_rate=1e-2")
+    for step in range(3):  # the backbone trains: the model's own HF layers drift from the original
+        train_step(run, step, [batch(vocab=500, seed=step)])
+    original = _original(cfg)
+    mb = batch(vocab=500, seed=7)
+    mb["attention_mask"][1, :5] = 0  # padding is left out of the KL
+    with torch.no_grad():
+        ref_teacher = original(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        out, extra = run.method.forward(run.model, mb, step=3)
+        student = run.model(mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+    from revffn.models.teacher import teacher_logits
+
+    drifted = teacher_logits(run.model, mb["input_ids"], mb["attention_mask"])
+    assert (drifted - ref_teacher).abs().max() > 1e-2  # so a teacher that drifted with training would fail
+    positions = mb["attention_mask"].bool()
+    expected = 0.5 * _kl(ref_teacher, student, positions) / positions.sum()
+    assert float(extra) == pytest.approx(float(expected), rel=1e-5)
+    assert out.loss_sum is not None  # the task's CE is still the main loss
+
+
+def test_distill_memory_is_one_more_copy_of_the_weights():
+    from revffn.memory.estimate import estimate
+    from revffn.models.loading import hf_config
+
+    config = hf_config("qwen1.5-moe-a2.7b")
+    cls = method_class("revffn")
+    plain = estimate(config, cls, batch=1, seq=512, dtype="bfloat16")
+    distill = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5)
+    assert distill["weights"] - plain["weights"] == plain["total_params"] * 2  # bf16: 2 bytes per parameter
+    assert any("teacher copy" in n for n in distill["notes"])
+
+
+@pytest.mark.integration
+def test_heal_stage_resumes_exactly(tmp_path):
+    """Heal steps 1-4 on `self` text, joint steps 5-6 with distillation; resumed from step 3."""
+    args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_warmup_steps=4", "revffn.distill_coef=0.5", "data=builtin:quickstart_train",
+            "eval_data=null", "max_seq_length=32", "save_steps=3", "logging_steps=1"]
+    assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0
+    import shutil
+
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    assert main(["train", *args, f"output_dir={tmp_path / 'run'}", "resume=true"]) == 0
+    ref = {r["step"]: (r["stage"], r["loss"]) for r in metrics(tmp_path / "ref")}
+    resumed = {r["step"]: (r["stage"], r["loss"]) for r in metrics(tmp_path / "run")}
+    assert [ref[s][0] for s in range(1, 7)] == ["heal"] * 4 + ["joint"] * 2
+    for s in range(1, 7):
+        assert resumed[s][0] == ref[s][0] and abs(resumed[s][1] - ref[s][1]) <= 1e-6, (s, resumed[s], ref[s])
+
+
+def test_empty_heal_data_exits_2_and_writes_nothing(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "model_config={num_hidden_layers: 2}", "revffn.adapter_warmup_steps=2",
+                 f"revffn.heal_data={empty}",
+                 "data=builtin:quickstart_train", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "revffn.heal_data" in err and "Fix:" in err and not run.exists()
