@@ -34,7 +34,7 @@ from typing import Protocol
 
 from revffn.errors import UserError
 from revffn.memory.saved import Grad, aux_saved, layer_saved, outside_saved
-from revffn.schema import Key, check_value
+from revffn.schema import Key, check_value, coerce
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -249,6 +249,7 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     if unknown:
         raise UserError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}. Allowed: "
                         f"{', '.join(sorted(keys))}.")
+    given = {k: coerce(v, keys[k]) for k, v in given.items()}  # `--option distill_coef=1`: an int for a float
     problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
     if problems:
         raise UserError(" ".join(problems))

@@ -211,27 +211,30 @@ def summarize(plan: StudyPlan, runs: list[dict], chosen: dict, base_loss: float 
 
 def gap_plan(plan: StudyPlan, out: Path, grid: list[dict], chosen: dict) -> tuple[list[dict], dict]:
     """The conversion-gap runs of every plan method that declares variants (`STUDY_GAP_VARIANTS`:
-    RevFFN's adapter inits and warm-up lengths), and the run of each variant, (method, label) -> name.
+    RevFFN's old default and its stage-2 guard), and the run of each, (method, task, label) -> name.
 
-    All variants use tasks[0], seed 0 and the method's chosen LR; the default variant (the method's study
-    options) is the grid run itself, the others are extra runs (only with `plan.gap_variants`).
+    Every task, seed 0 and the method's chosen LR for the task; the default variant (the method's study
+    options) is the grid run itself (its gap at init measured on tasks[0] only: the conversion does not
+    depend on the task), the others are extra runs (only with `plan.gap_variants`).
     """
-    task0, jobs, names = plan.tasks[0], [], {}
+    jobs, names = [], {}
     for m in plan.methods:
         variants = _method(m).STUDY_GAP_VARIANTS
         if not variants:
             continue
-        lr0, default = chosen[f"{m}/{task0}"], plan.options(m)
-        names[m, "default"] = next(j["name"] for j in grid if j["method"] == m and j["task"] == task0
-                                   and j["lr"] == lr0)
-        for label, variant in variants.items() if plan.gap_variants else ():
-            options = plan.options(m, **variant)
-            if options != default:
-                job = _job(plan, out, m, task0, plan.seeds[0], lr0, eval_val=False, options=options, gap_init=True,
-                           tag=f"-{label}")
-                job["gap_only"] = True
-                jobs.append(job)
-                names[m, label] = job["name"]
+        default = plan.options(m)
+        for task in plan.tasks:
+            lr = chosen[f"{m}/{task}"]
+            names[m, task, "default"] = next(j["name"] for j in grid if j["method"] == m and j["task"] == task
+                                             and j["lr"] == lr)
+            for label, variant in variants.items() if plan.gap_variants else ():
+                options = plan.options(m, **variant)
+                if options != default:
+                    job = _job(plan, out, m, task, plan.seeds[0], lr, eval_val=False, options=options,
+                               gap_init=True, tag=f"-{label}")
+                    job["gap_only"] = True
+                    jobs.append(job)
+                    names[m, task, label] = job["name"]
     return jobs, names
 
 
@@ -239,11 +242,11 @@ def gap_rows(names: dict, runs: list[dict], base_loss: float | None) -> list[dic
     """One row per conversion-gap variant that ran: the variant's options and its retention losses."""
     by_name = {r["name"]: r for r in runs if r["status"] == "ok"}
     rows = []
-    for (method, label), name in names.items():
+    for (method, _, label), name in names.items():
         r = by_name.get(name)
         if r is not None:
             rows.append({"method": method, "variant": label, **r["job"]["options"], "task": r["job"]["task"],
-                         "lr": r["job"]["lr"], "base": base_loss, "converted_init": r["converted_retention_loss"],
+                         "lr": r["job"]["lr"], "base": base_loss, "converted_init": r.get("converted_retention_loss"),
                          "after_stage1": r["stage1_retention_loss"], "after_schedule": r["retention_loss"],
                          "test_exact_match": r["test_exact_match"], "default": label == "default"})
     return rows
