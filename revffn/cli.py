@@ -139,7 +139,7 @@ def cmd_archs(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from revffn.memory.estimate import estimate, format_estimate, parse_size
+    from revffn.memory.estimate import configurations, estimate, format_estimate, parse_size
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config, model_kind
     from revffn.training.config import parse_overrides
@@ -151,6 +151,10 @@ def cmd_estimate(args) -> int:
     options = parse_overrides(args.option)
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
     est = estimate(config, method, args.batch, args.seq, args.dtype, **options)
+    if args.gpu_mem is not None:
+        est["configurations"] = configurations(config, method, args.batch, args.seq, args.dtype, args.gpu_mem,
+                                               **{k: v for k, v in options.items()
+                                                  if k not in ("optimizer", "optimizer_in_backward", "offload")})
     if args.json:
         if args.gpu_mem is not None:
             est["gpu_mem"], est["fits"] = args.gpu_mem, est["total"] <= parse_size(args.gpu_mem)

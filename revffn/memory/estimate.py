@@ -37,12 +37,23 @@ from revffn.memory.saved import Grad, aux_saved, layer_saved, outside_saved
 from revffn.schema import Key, check_value, coerce
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
+# bytes per trainable param of the optimizer states that are not in the param dtype: torchao's block-wise
+# quantized AdamW (two states of 1 byte / half a byte, one fp32 scale per block of 256 / 128) and torch's
+# Adafactor (factored: see `_adafactor_bytes`)
+QUANTIZED_STATE_BYTES = {"adamw8bit": 2 * (1 + 4 / 256), "adamw4bit": 2 * (0.5 + 4 / 128)}
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 OVERHEAD = 0.05
 CHUNK_TOKENS = 1024
 COMMON_OPTIONS = {  # every method's estimator options (a method adds its own in ESTIMATE_OPTIONS)
     "padded": Key(bool, True, "an attention mask is given (as the training loop does): k/v repeated to all heads"),
     "attn_implementation": Key((str, type(None)), None, "sdpa | eager (null: the config's)"),
+    "optimizer": Key((str, type(None)), None, "adamw | adamw8bit | adamw4bit | adafactor (null: the `optimizer` "
+                     "argument)"),
+    "optimizer_in_backward": Key(bool, False, "each parameter stepped as its gradient completes: one tensor's "
+                                 "gradient held at a time"),
+    "offload": Key(str, "none", "none | cpu: optimizer states (and gradients, as produced) in host memory",
+                   choices=("none", "cpu")),
 }
 
 
@@ -275,8 +286,11 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         raise TypeError(f"estimate: method must be a method class, got {method!r}; resolve a name with "
                         "revffn.methods.method_class.")
     opts = _options(method, options)
-    if optimizer not in OPTIMIZER_STATES:
-        raise UserError(f"unknown optimizer {optimizer!r}. Fix: use one of {', '.join(OPTIMIZER_STATES)}.")
+    optimizer = opts.pop("optimizer") or optimizer
+    in_backward, offload = opts.pop("optimizer_in_backward"), opts.pop("offload")
+    if optimizer not in OPTIMIZER_STATES and optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {optimizer!r}. Fix: use one of "
+                        f"{', '.join(dict.fromkeys((*OPTIMIZERS, *OPTIMIZER_STATES)))}.")
     if batch < 1 or seq < 2:
         raise UserError(f"batch={batch}, seq={seq}: need batch >= 1 and seq >= 2.")
     s = dtype_bytes(dtype)
@@ -291,9 +305,29 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     a = terms.trainable_bytes or s
     weights = (total_params - trainable) * s + trainable * a
     grads = trainable * a
-    states = trainable * OPTIMIZER_STATES[optimizer] * a  # torch AdamW keeps its states in the param dtype
+    if optimizer in QUANTIZED_STATE_BYTES:
+        states = int(trainable * QUANTIZED_STATE_BYTES[optimizer])
+        notes.append(f"{optimizer} (torchao): {QUANTIZED_STATE_BYTES[optimizer]:.3f} bytes of states per trainable "
+                     "param (block-wise quantized; tensors under 4096 elements keep fp32 states, not counted)")
+    elif optimizer == "adafactor":
+        states = min(_adafactor_bytes(m), trainable * 4)
+        notes.append("adafactor (torch): factored second moment, fp32 row and column statistics per matrix "
+                     "(a vector per 1-D param), no first moment")
+    else:
+        states = trainable * OPTIMIZER_STATES[optimizer] * a  # torch AdamW keeps its states in the param dtype
+    if in_backward:
+        largest = min(_largest_tensor(m), trainable)
+        grads = largest * a
+        notes.append(f"optimizer_in_backward: each parameter stepped and its gradient freed as soon as it is "
+                     f"complete; at most one tensor's gradient is held ({largest / 1e6:.1f}M elements, the largest "
+                     "trainable one)")
+    if offload == "cpu":
+        notes.append(f"offload cpu: {states / 2**30:.2f} GiB of optimizer states in host memory (not counted), "
+                     "gradients moved to the host as produced (one tensor's on the device)")
+        states, grads = 0, min(_largest_tensor(m), trainable) * a
     if s != 4:
-        notes.append(f"{dtype}: {s}-byte weights, grads and optimizer states ({optimizer}, states like the params)")
+        notes.append(f"{dtype}: {s}-byte weights and grads" + (
+            f", {optimizer} states like the params" if optimizer in OPTIMIZER_STATES and offload != "cpu" else ""))
     logits = min(B * (T - 1), CHUNK_TOKENS) * m.vocab * 4 * 2
     notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
     act_fwd, working = terms.activations_forward, terms.recompute_working_set
@@ -307,8 +341,42 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         "activations_forward": act_fwd, "recompute_working_set": working, "routing_records": terms.routing_records,
         "trainable_params": trainable, "total_params": total_params, "notes": notes,
         "method": method.name, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
-        "optimizer": optimizer, "batch": B, "seq": T,
+        "optimizer": optimizer, "optimizer_in_backward": in_backward, "offload": offload, "batch": B, "seq": T,
     }
+
+
+def _largest_tensor(m: Dims) -> int:
+    """Elements of the largest single parameter tensor: the embedding (or head), or one layer's fused expert
+    gate_up (E, 2I, d), or a dense MLP matrix."""
+    return max(m.vocab * m.d, m.experts * 2 * m.moe_inter * m.d, m.dense_inter * m.d * 2 if not any(m.moe) else 0)
+
+
+def _adafactor_bytes(m: Dims) -> int:
+    """fp32 Adafactor statistics: rows + columns of each matrix (per expert for the 3-D expert tensors,
+    factored over the last two dims), the full vector for 1-D params."""
+    q, kv = m.heads * m.hd, m.kv * m.hd
+    attn = (m.d + q) * 2 + (m.d + kv) * 2  # q, o and k, v
+    per_layer = []
+    for moe in m.moe:
+        mlp = (m.experts * ((2 * m.moe_inter + m.d) + (m.d + m.moe_inter)) + (m.experts + m.d)
+               + 3 * (m.d + m.shared_inter)) if moe else 3 * (m.d + m.dense_inter)
+        per_layer.append(attn + mlp + 2 * m.d + 2 * m.d * 2)  # + norms, + RevFFN's 4 adapters (rows + cols)
+    return 4 * (sum(per_layer) + 2 * (m.vocab + m.d) + m.d)
+
+
+def configurations(config, method: MemoryMethod, batch: int, seq: int, dtype: str, gpu_mem: str,
+                   **options) -> list[dict]:
+    """Every optimizer x in-backward x offload combination of `method`, each with its total and whether
+    it fits `gpu_mem`, smallest first (what `revffn estimate --gpu-mem` lists)."""
+    rows = []
+    for opt in OPTIMIZERS:
+        for in_bwd in (False, True):
+            for off in ("none", "cpu"):
+                est = estimate(config, method, batch, seq, dtype, **{**options, "optimizer": opt,
+                                                                      "optimizer_in_backward": in_bwd, "offload": off})
+                rows.append({"optimizer": opt, "optimizer_in_backward": in_bwd, "offload": off,
+                             "total": est["total"], "fits": fits(est["total"], gpu_mem)})
+    return sorted(rows, key=lambda r: r["total"])
 
 # -- sizes and formatting -----------------------------------------------------------------------
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30,
@@ -352,4 +420,10 @@ def format_estimate(est: dict, gpu_mem: str | None = None) -> str:
         lines.append(f"  fits on this GPU ({gpu_mem}): {'yes' if ok else 'no'}"
                      + ("" if ok else f" (needs {math.ceil(est['total'] / 2**30)} GiB)"))
     lines += [f"  note: {n}" for n in est.get("notes", [])]
+    if gpu_mem is not None and est.get("configurations"):
+        lines += ["", f"  configurations of this method on {gpu_mem} (smallest first):",
+                  f"  {'optimizer':<11}{'in-backward':<13}{'offload':<9}{'GiB':>9}  fits"]
+        for r in est["configurations"]:
+            lines.append(f"  {r['optimizer']:<11}{str(r['optimizer_in_backward']).lower():<13}{r['offload']:<9}"
+                         f"{_gib(r['total']):>9}  {'yes' if r['fits'] else 'no'}")
     return "\n".join(lines)

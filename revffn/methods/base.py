@@ -41,6 +41,9 @@ class Method:
     # a model directory that already holds a converted RevFFN model (`revffn convert`): only methods
     # whose `prepare` accepts the converted model as it is may train it
     ACCEPTS_CONVERTED: ClassVar[bool] = False
+    # `optimizer_in_backward`: the loop may step each parameter from its gradient hook (False: the method
+    # moves or reads optimizer state itself between steps, e.g. HiFT)
+    OPTIMIZER_IN_BACKWARD: ClassVar[bool] = True
 
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)

@@ -48,7 +48,16 @@ SCHEMA: dict[str, Key] = {
     "adam_beta1": Key(float, 0.9, "AdamW beta1", min=0, max=1),
     "adam_beta2": Key(float, 0.999, "AdamW beta2", min=0, max=1),
     "adam_epsilon": Key(float, 1e-8, "AdamW epsilon", min=0, min_exclusive=True),
-    "max_grad_norm": Key(float, 1.0, "gradient clipping norm (0 disables)", min=0),
+    "max_grad_norm": Key(float, 1.0, "gradient clipping norm (0 disables; per parameter with optimizer_in_backward)",
+                         min=0),
+    "optimizer": Key(str, "adamw", "adamw | adamw8bit, adamw4bit (torchao) | adafactor (torch)",
+                     choices=("adamw", "adamw8bit", "adamw4bit", "adafactor")),
+    "optimizer_in_backward": Key(bool, False, "step each parameter as soon as its gradient is complete, and free "
+                                 "it: one parameter's gradient held at a time (needs gradient_accumulation_steps 1)"),
+    "optimizer_offload": Key(str, "none", "none | cpu: optimizer states and step on the host (CUDA only, torchao)",
+                             choices=("none", "cpu")),
+    "bf16_stochastic_round": Key(bool, False, "bf16 weights: round each update stochastically (torchao) so small "
+                                 "updates are not lost"),
     "max_seq_length": Key(int, 512, "truncate examples to this many tokens", min=2),
     "packing": Key(bool, False, "pack examples into full-length rows"),
     "dtype": Key(str, "auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16",

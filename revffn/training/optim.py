@@ -1,9 +1,38 @@
-"""The optimizer of a training run: AdamW over a method's `optimizer_parameters`, in two decay groups."""
+"""The optimizer of a training run, over a method's `optimizer_parameters`, in two decay groups.
+
+    optimizer: adamw | adamw8bit | adamw4bit | adafactor      (the config key; README "Config keys")
+
+- ``adamw``: `torch.optim.AdamW`; with ``bf16_stochastic_round`` (bf16 weights only) torchao's `_AdamW`,
+  which keeps fp32 states and rounds each update into the bf16 weight stochastically, so updates
+  smaller than a bf16 ulp are not lost on average.
+- ``adamw8bit``, ``adamw4bit``: torchao's `AdamW8bit` / `AdamW4bit` (block-wise quantized states:
+  ~2 and ~1 bytes per parameter for the two states together, plus one fp32 scale per block).
+- ``adafactor``: `torch.optim.Adafactor` (factored second moment: O(rows + cols) per matrix, no first moment).
+- ``optimizer_offload: cpu`` (CUDA only): torchao's `CPUOffloadOptimizer` keeps the states, and the
+  step, on the host; gradients are moved to the host as they are produced (`offload_gradients`), so
+  the device holds one tensor's gradient at a time, as with ``optimizer_in_backward`` (which it
+  subsumes: with offload, the flag changes nothing; the host step runs after the backward).
+
+``optimizer_in_backward: true`` steps every parameter as soon as its gradient is complete
+(`Tensor.register_post_accumulate_grad_hook`: one optimizer per parameter, as PyTorch's
+"optimizer step in backward" recipe and torchtune do) and frees that gradient at once, so the
+gradients of the whole model are never held together. In RevFFN's reverse walk a block's parameters
+are stepped inside that block's `backward_pass`, after the sub-block's outputs used to rebuild its
+inputs were computed, so the reconstruction is untouched. The global gradient norm is only known after
+the last gradient, so clipping is **per parameter**: each gradient is scaled to norm ≤ `max_grad_norm`
+(0 disables); the logged `grad_norm` is still the global norm before clipping. It needs one backward
+per step (`gradient_accumulation_steps: 1`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from revffn.errors import UserError
+
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
+TORCHAO = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -16,7 +45,148 @@ def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW with the config's peak LR, betas and epsilon (the loop sets each step's LR from the schedule)."""
-    return torch.optim.AdamW(decay_groups(params, cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+def set_lr(optimizer, lr: float) -> None:
+    """Set every group's LR (torchao's optimizers hold it as a tensor, updated in place)."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _torchao_optim():
+    try:
+        import torchao.optim
+    except ImportError as e:
+        raise UserError(f"this optimizer needs torchao, which is not importable ({e}). Fix: pip install torchao, "
+                        "or optimizer=adamw / optimizer=adafactor.") from None
+    return torchao.optim
+
+
+def check_optimizer(cfg, device: torch.device, weights_dtype: torch.dtype, method_cls=None) -> None:
+    """Every optimizer-key combination that cannot run, as one UserError naming the key and the fix."""
+    name = cfg.optimizer
+    if name in TORCHAO or cfg.bf16_stochastic_round:
+        optim = _torchao_optim()
+        if name in TORCHAO and not hasattr(optim, TORCHAO[name]):
+            raise UserError(f"optimizer: {name} needs torchao.optim.{TORCHAO[name]}, which the installed torchao "
+                            "lacks. Fix: upgrade torchao, or optimizer=adamw.")
+    if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
+        raise UserError(f"optimizer: adafactor needs torch.optim.Adafactor (torch >= 2.5; this is {torch.__version__}). "
+                        "Fix: upgrade torch, or optimizer=adamw.")
+    if cfg.optimizer_in_backward and cfg.gradient_accumulation_steps > 1:
+        raise UserError(f"optimizer_in_backward: true steps each parameter inside the backward, so it cannot "
+                        f"accumulate {cfg.gradient_accumulation_steps} micro-batches. Fix: "
+                        "gradient_accumulation_steps=1 (raise per_device_train_batch_size instead), or "
+                        "optimizer_in_backward=false.")
+    if cfg.optimizer_in_backward and method_cls is not None and not method_cls.OPTIMIZER_IN_BACKWARD:
+        raise UserError(f"optimizer_in_backward: method {method_cls.name!r} manages its optimizer state itself. Fix: "
+                        "optimizer_in_backward=false.")
+    if cfg.optimizer_offload == "cpu" and device.type != "cuda":
+        raise UserError("optimizer_offload: cpu moves optimizer states from the GPU to the host; this run is on "
+                        f"{device.type}, where they already are in host memory. Fix: optimizer_offload=none.")
+    if cfg.optimizer_offload == "cpu" and cfg.gradient_accumulation_steps > 1:
+        raise UserError(f"optimizer_offload: cpu moves each gradient to the host as it is produced (torchao's "
+                        f"offload_gradients), so it cannot accumulate {cfg.gradient_accumulation_steps} micro-batches. "
+                        "Fix: gradient_accumulation_steps=1, or optimizer_offload=none.")
+    if cfg.bf16_stochastic_round and weights_dtype != torch.bfloat16:
+        raise UserError(f"bf16_stochastic_round: true rounds updates into bf16 weights; this run's weights are "
+                        f"{str(weights_dtype).removeprefix('torch.')}. Fix: dtype=bfloat16, or "
+                        "bf16_stochastic_round=false.")
+    if cfg.bf16_stochastic_round and name == "adafactor":
+        raise UserError("bf16_stochastic_round: torch's Adafactor has no stochastic rounding. Fix: optimizer=adamw "
+                        "(or adamw8bit / adamw4bit), or bf16_stochastic_round=false.")
+
+
+def _optimizer_class(cfg):
+    """(class, kwargs beyond lr and weight_decay) for `cfg.optimizer`."""
+    adam = {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon}
+    if cfg.optimizer == "adafactor":
+        return torch.optim.Adafactor, {}
+    if cfg.optimizer in TORCHAO:
+        return getattr(_torchao_optim(), TORCHAO[cfg.optimizer]), {
+            **adam, "bf16_stochastic_round": cfg.bf16_stochastic_round}
+    if cfg.bf16_stochastic_round:
+        from torchao.optim.adam import _AdamW
+
+        return _AdamW, {**adam, "bf16_stochastic_round": True}
+    return torch.optim.AdamW, adam
+
+
+def build_optimizer(cfg, params: list[nn.Parameter]):
+    """The run's optimizer (the loop sets each step's LR from the schedule): one over every parameter,
+    `InBackward` (one per parameter, stepped by gradient hooks), or torchao's CPU offload wrapper."""
+    cls, kwargs = _optimizer_class(cfg)
+    if cfg.optimizer_in_backward and cfg.optimizer_offload != "cpu":
+        return InBackward(params, cls, dict(kwargs, lr=cfg.learning_rate), cfg.weight_decay, cfg.max_grad_norm)
+    groups = decay_groups(params, cfg.weight_decay)
+    if cfg.optimizer_offload == "cpu":
+        return _torchao_optim().CPUOffloadOptimizer(groups, cls, offload_gradients=True, lr=cfg.learning_rate,
+                                                    **kwargs)
+    return cls(groups, lr=cfg.learning_rate, **kwargs)
+
+
+class InBackward:
+    """One optimizer per parameter, each stepped from its parameter's post-accumulate-grad hook; the
+    gradient is clipped to `max_grad_norm` by its own norm (0: no clipping) and freed right after.
+
+    Looks like an optimizer to the loop: `param_groups` (every per-parameter group: setting "lr" there
+    sets it everywhere), `step()` and `zero_grad()` (no-ops: the work happened in backward),
+    `state_dict()` / `load_state_dict()` (the per-parameter optimizers' states, in parameter order), and
+    `grad_norm()`: the global norm of the gradients seen since the last call, before clipping.
+    """
+
+    def __init__(self, params: list[nn.Parameter], cls, kwargs: dict, weight_decay: float, max_grad_norm: float):
+        self.params = list(params)
+        self.optimizers = [cls([{"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0}], **kwargs)
+                           for p in self.params]
+        self.max_grad_norm = max_grad_norm
+        self._sq_norm: torch.Tensor | None = None  # on the device: no host sync per parameter
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(opt))
+                         for p, opt in zip(self.params, self.optimizers)]
+
+    def _hook(self, optimizer):
+        def step(p: torch.Tensor) -> None:
+            if p.grad is None:  # RevFFN's stack Function hands its parameters an undefined gradient after its
+                return  # backward already accumulated, stepped and freed them block by block
+            norm = p.grad.detach().float().norm()
+            self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
+            if self.max_grad_norm > 0:
+                p.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(p.grad.dtype))
+            optimizer.step()
+            p.grad = None
+        return step
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every per-parameter optimizer's groups (read afresh: `load_state_dict` replaces them)."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def grad_norm(self) -> torch.Tensor:
+        norm = torch.zeros(()) if self._sq_norm is None else self._sq_norm.sqrt()
+        self._sq_norm = None
+        return norm
+
+    def step(self) -> None:
+        """Nothing left: every parameter was stepped in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing left: every gradient was freed in backward."""
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def state_dict(self) -> dict:
+        return {"in_backward": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "in_backward" not in state or len(state["in_backward"]) != len(self.optimizers):
+            raise UserError("resume: the checkpoint's optimizer state was not saved with optimizer_in_backward: true "
+                            "(or for other parameters). Fix: resume with the optimizer settings it was saved with.")
+        for opt, s in zip(self.optimizers, state["in_backward"]):
+            opt.load_state_dict(s)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -16,7 +16,9 @@ import yaml
 from revffn.errors import UserError
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
+from revffn.methods import method_class
 from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
+from revffn.training.optim import check_optimizer
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
              "events.jsonl")
@@ -119,6 +121,7 @@ def prepare_run(cfg) -> RunPlan:
     resume_from = resolve_resume(cfg, run_dir)
     check_output_dir(cfg, run_dir, resume_from)
     device, weights, autocast = pick_device(cfg)
+    check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = load_tokenizer(tokenizer_ref(cfg))
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
     eval_set = None

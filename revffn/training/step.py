@@ -12,7 +12,8 @@ AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer st
     for each micro-batch:  output, extra = method.forward(...) under autocast
         loss = loss_sum / n_total  (+ extra / n_micro)  (+ aux_loss_coef * aux_loss / n_micro when the router trains)
         loss.backward()
-    clip to max_grad_norm (0 disables), AdamW step, zero_grad(set_to_none=True), method.after_step
+    clip to max_grad_norm (0 disables), optimizer step, zero_grad(set_to_none=True), method.after_step
+    (optimizer_in_backward: each parameter was clipped and stepped by its gradient hook in backward)
 
 `n_total` counts the predicted tokens of all micro-batches, so accumulating gives the gradient of
 one big batch. Hooks let the bench measure inside the step without a copy of it: `forward_context`
@@ -32,7 +33,7 @@ from torch import nn
 
 from revffn.methods import Method, method_class
 from revffn.models.loading import load_hf
-from revffn.training.optim import build_optimizer
+from revffn.training.optim import InBackward, build_optimizer, set_lr
 from revffn.training.schedule import lr_at
 
 
@@ -98,8 +99,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
     stage = method.set_trainable(model, step, optimizer)
     lr = lr_at(method.schedule_position(step), method.schedule_length(cfg.max_steps), cfg.learning_rate,
                cfg.warmup_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    set_lr(optimizer, lr)
     micro_batches = method.step_batches(model, step, micro_batches)
     n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
     n_inputs = sum(int(m["attention_mask"].sum()) for m in micro_batches)
@@ -117,9 +117,12 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
         loss_sum += out.loss_sum.detach().float()
     if after_backward is not None:
         after_backward()
-    trainable = [p for p in run.params if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0
-                                               else float("inf"))
+    if isinstance(optimizer, InBackward):  # stepped and clipped per parameter during backward
+        grad_norm = optimizer.grad_norm()
+    else:
+        trainable = [p for p in run.params if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0
+                                                   else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step, model, optimizer)

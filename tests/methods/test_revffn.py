@@ -18,7 +18,8 @@ from tests.methods._util import batch, metrics
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64, vocab_size: 500}",
-        "method=revffn", "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "learning_rate=1e-3",
+        "method=revffn", "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "revffn.heal_data=self",
+        "learning_rate=1e-3",
         "per_device_train_batch_size=2", "max_steps=6"]
 
 

@@ -33,3 +33,122 @@ def test_build_optimizer_takes_the_config():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
     for g in opt.param_groups:
         assert g["lr"] == 3e-4 and g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6
+
+
+# -- optimizer_in_backward and the optimizer choices, through the real training step -----------------------
+import pytest  # noqa: E402
+
+from revffn.cli import main  # noqa: E402
+from revffn.training.optim import InBackward  # noqa: E402
+from revffn.training.step import build_run, train_step  # noqa: E402
+
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 3, hidden_size: 64, vocab_size: 500}",
+        "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0", "weight_decay=0.01",
+        "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=1", "revffn.heal_data=task"]
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 500, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def _weights_after(method: str, steps: int, *overrides: str):
+    run = build_run(load_config(None, [*TINY, f"method={method}", *overrides]), torch.device("cpu"))
+    norms = [float(train_step(run, s, [_batch(s)]).grad_norm) for s in range(steps)]
+    return {n: p.detach().clone() for n, p in run.model.named_parameters()}, norms, run
+
+
+@pytest.mark.parametrize("method", ["full", "ckpt", "revffn"])
+def test_in_backward_step_equals_the_ordinary_step(method, one_thread):
+    """fp32, AdamW, clipping off: stepping each parameter inside the backward gives the same weights
+    (revffn: across its stage boundary; each block is stepped inside its own backward_pass)."""
+    ref, ref_norms, _ = _weights_after(method, 4, "max_grad_norm=0")
+    got, norms, run = _weights_after(method, 4, "max_grad_norm=0", "optimizer_in_backward=true")
+    assert isinstance(run.optimizer, InBackward)
+    assert all(p.grad is None for p in run.model.parameters())  # every gradient freed in backward
+    worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst <= 1e-6, worst
+    assert any(not torch.equal(got[n], ref[n]) for n in ref) or worst == 0  # compared, not skipped
+    assert norms == pytest.approx(ref_norms, rel=1e-5)  # the logged global norm, before any clipping
+
+
+def test_in_backward_clips_each_parameter_by_its_own_norm(one_thread):
+    got, _, run = _weights_after("full", 1, "max_grad_norm=1e-3", "optimizer_in_backward=true",
+                                 "lr_scheduler_type=constant", "weight_decay=0")
+    ref_run = build_run(load_config(None, [*TINY, "method=full", "max_grad_norm=0"]), torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in ref_run.model.named_parameters()}
+    out = ref_run.model(**_batch(0), return_logits=False)
+    loss = out.loss_sum / int((_batch(0)["labels"][:, 1:] != -100).sum())
+    (loss + ref_run.model.aux_loss_coef * out.aux_loss).backward()  # as train_step: the router's aux loss too
+    for n, p in ref_run.model.named_parameters():  # the reference: clip each gradient alone, one AdamW step
+        if p.grad is None:
+            continue
+        g = p.grad * min(1.0, 1e-3 / (float(p.grad.norm()) + 1e-6))
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+        p.grad = g
+        opt.step()
+        assert torch.allclose(got[n], p.detach(), atol=1e-6), n
+        assert not torch.equal(got[n], before[n])
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", pytest.param("adamw8bit", marks=pytest.mark.integration)])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, one_thread):
+    """Each optimizer, with and without the in-backward step: the loss falls, and a run resumed from its
+    step-3 checkpoint reproduces steps 4-6 (the optimizer state saved and restored)."""
+    pytest.importorskip("torchao") if optimizer == "adamw8bit" else None
+    args = ["train", *TINY[:2], "method=revffn", "data=builtin:quickstart_train", "eval_data=null",
+            "model_config={num_hidden_layers: 2, hidden_size: 64}", "max_steps=6", "save_steps=3",
+            "per_device_train_batch_size=4", "max_seq_length=32", "dtype=float32", "device=cpu",
+            "learning_rate=" + ("3e-2" if optimizer == "adafactor" else "1e-3"), "logging_steps=1",
+            "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=2",
+            "revffn.heal_data=task", f"optimizer={optimizer}", f"optimizer_in_backward={str(in_backward).lower()}"]
+    assert main([*args, f"output_dir={tmp_path / 'ref'}"]) == 0
+    import json
+    import shutil
+
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    assert main([*args, f"output_dir={tmp_path / 'run'}", "resume=true"]) == 0
+
+    def losses(d):
+        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
+
+    ref, resumed = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert ref[6] < ref[1]
+    for s in range(1, 7):
+        assert abs(resumed[s] - ref[s]) <= 1e-6, (s, resumed[s], ref[s])
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["optimizer=adamw9bit"], "optimizer"),
+    (["optimizer_in_backward=true", "gradient_accumulation_steps=2"], "gradient_accumulation_steps=1"),
+    (["optimizer_offload=cpu"], "optimizer_offload=none"),
+    (["bf16_stochastic_round=true"], "dtype=bfloat16"),
+    (["method=hift", "optimizer_in_backward=true"], "optimizer_in_backward=false"),
+])
+def test_bad_optimizer_combinations_exit_2_and_write_nothing(overrides, needle, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:quickstart_train", "max_steps=2",
+                 "device=cpu", f"output_dir={out}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and not out.exists()
+
+
+def test_a_missing_torchao_is_a_config_error(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchao(name, *a, **k):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    out = tmp_path / "run"
+    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:quickstart_train", "max_steps=2",
+                 "device=cpu", f"output_dir={out}", "optimizer=adamw8bit"]) == 2
+    assert "pip install torchao" in capsys.readouterr().err and not out.exists()
