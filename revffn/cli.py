@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="peak memory, saved activations and tokens/s per method (fresh process each)")
     b.add_argument("--model", default="tiny-qwen2-moe", help="tiny preset, config-only preset or local HF directory")
-    b.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method)")
+    b.add_argument("--methods", default=None, help="comma-separated methods (default: every registered method); "
+                   "NAME:KEY=VALUE[:...] adds a variant, e.g. revffn:optimizer=adafactor:optimizer_in_backward=true")
     b.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
     b.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
     b.add_argument("--batch", type=_positive, default=4)

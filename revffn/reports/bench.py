@@ -59,7 +59,7 @@ def resolve(spec: BenchSpec) -> BenchSpec:
 
     model_kind(spec.model, "--model")
     for m in spec.methods:
-        method_class(m, key="--methods")
+        method_class(split_label(m)[0], key="--methods")
     if not spec.methods:
         raise UserError("--methods: give at least one method, e.g. full,ckpt,revffn.")
     if spec.dtype not in ("auto", "float32", "bfloat16"):
@@ -76,16 +76,24 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     return out
 
 
+def split_label(label: str) -> tuple[str, list[str]]:
+    """'revffn:optimizer=adafactor:optimizer_in_backward=true' -> ('revffn', ['optimizer=adafactor', ...]):
+    a method with training-config overrides of its own, so variants run side by side in one bench."""
+    name, *overrides = label.split(":")
+    return name, overrides
+
+
 def worker_args(spec: BenchSpec, method: str) -> dict:
-    """The worker's JSON arguments for one method. `method_module`: the module that registers it, which
-    the worker imports first (a method registered outside the package, e.g. by a test)."""
+    """The worker's JSON arguments for one method (a label: NAME[:KEY=VALUE...]). `method_module`: the
+    module that registers it, which the worker imports first (a method registered outside the package)."""
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides
 
-    return {"model": spec.model, "method": method, "method_module": method_class(method).__module__,
+    name, overrides = split_label(method)
+    return {"model": spec.model, "method": name, "label": method, "method_module": method_class(name).__module__,
             "model_config": config_overrides(spec.model, spec.layers, spec.hidden),
             "batch": spec.batch, "seq": spec.seq, "steps": spec.steps, "dtype": spec.dtype, "device": spec.device,
-            "seed": spec.seed, "threads": spec.threads, "set": list(spec.set)}
+            "seed": spec.seed, "threads": spec.threads, "set": [*spec.set, *overrides]}
 
 
 def estimate_fields(args: dict) -> dict:
@@ -98,7 +106,8 @@ def estimate_fields(args: dict) -> dict:
         cfg = train_config(args)
         method = method_class(cfg.method, args.get("method_module"))
         # the bench batch has no padding: HF drops the all-ones mask
-        opts = {"padded": False, **method.estimate_options(cfg.section(cfg.method))}
+        opts = {"padded": False, **method.estimate_options(cfg.section(cfg.method)), "optimizer": cfg.optimizer,
+                "optimizer_in_backward": cfg.optimizer_in_backward, "offload": cfg.optimizer_offload}
         est = estimate(hf_config(cfg.model, **cfg.model_config), method, args["batch"], args["seq"],
                        args["dtype"], **opts)
     except Exception as e:  # an estimate that cannot be made is reported, never fatal
@@ -145,7 +154,7 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None) -> dict:
     """One result row: the worker's measurement (`runner`, default `run_worker`), its static bytes, and
     the estimate."""
     args = worker_args(spec, method)
-    row = (runner or run_worker)(args, spec.timeout)
+    row = {**(runner or run_worker)(args, spec.timeout), "method": method}  # the label: variants stay apart
     if row.get("status") == "ok":
         row["static_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
     row.update(estimate_fields(args))

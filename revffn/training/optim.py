@@ -142,6 +142,7 @@ class InBackward:
                            for p in self.params]
         self.max_grad_norm = max_grad_norm
         self._sq_norm: torch.Tensor | None = None  # on the device: no host sync per parameter
+        self.largest_grad_bytes = 0  # the largest gradient held at once (what the bench reports)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(opt))
                          for p, opt in zip(self.params, self.optimizers)]
 
@@ -150,6 +151,7 @@ class InBackward:
             if p.grad is None:  # RevFFN's stack Function hands its parameters an undefined gradient after its
                 return  # backward already accumulated, stepped and freed them block by block
             norm = p.grad.detach().float().norm()
+            self.largest_grad_bytes = max(self.largest_grad_bytes, p.grad.numel() * p.grad.element_size())
             self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
             if self.max_grad_norm > 0:
                 p.grad.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(p.grad.dtype))

@@ -59,12 +59,20 @@ class LiveSavedTensorLog(SavedTensorLog):
         return total
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes; a tensor subclass (torchao's quantized optimizer states) counts its inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def _state_bytes(optimizer, only: set[int] | None = None) -> int:
     total = 0
     for p, state in optimizer.state.items():
         if only is not None and id(p) not in only:
             continue
-        total += sum(t.numel() * t.element_size() for k, t in state.items() if k != "step" and torch.is_tensor(t))
+        total += sum(_tensor_bytes(t) for k, t in state.items() if k != "step" and torch.is_tensor(t))
     return total
 
 
@@ -105,6 +113,7 @@ class _Probe:
     def after_backward(self) -> None:
         self.t_fb = time.perf_counter() - self.t0 - self.t_log
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.run.params if p.grad is not None)
+        grads = max(grads, getattr(self.run.optimizer, "largest_grad_bytes", 0))  # in-backward: freed as stepped
         self.row["grad_bytes"] = max(self.row["grad_bytes"], grads)
         self.t1 = time.perf_counter()
 
