@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from revffn.errors import UserError
-from revffn.memory.saved import Grad, aux_saved, layer_saved, outside_saved
+from revffn.memory.saved import Grad, aux_saved, ffn_saved, layer_saved, outside_saved
 from revffn.schema import Key, check_value, coerce
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable param, in the param dtype
@@ -185,6 +185,7 @@ class MemoryContext:
     impl: str  # attention implementation: sdpa | eager
     counts: dict[str, int]  # `count_params`
     layers: tuple[int, ...]  # what each decoder layer saves for backward when everything trains
+    ffn: tuple[int, ...]  # the MLP / MoE part of `layers` (`saved.ffn_saved`); the rest is attention's
     outside: int  # what the embedding, RoPE, final norm and loss save when everything trains
     aux: int  # the load-balancing loss's saved tensors, every router trainable
 
@@ -248,6 +249,7 @@ def context(config, batch: int, seq: int, s: int, padded: bool = True, impl: str
     return MemoryContext(
         m=m, B=batch, T=seq, s=s, padded=padded, impl=impl, counts=count_params(config),
         layers=tuple(layer_saved(m, i, batch, seq, s, padded, impl) for i in range(m.layers)),
+        ffn=tuple(ffn_saved(m, i, batch, seq, s) for i in range(m.layers)),
         outside=outside_saved(m, batch, seq, s),
         aux=aux_saved(m, batch * seq, sum(m.moe)),  # the unconverted model's load-balancing loss
     )
@@ -276,8 +278,8 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         method: the method's class (`revffn.methods.method_class(name)`).
         options: ``padded`` (True: an attention mask is passed, as the training loop does),
             ``attn_implementation`` (``sdpa`` | ``eager``; default the config's), and the method's
-            ``ESTIMATE_OPTIONS`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``; lora, dora,
-            refta: ``rank``; hift: ``group_size``).
+            ``ESTIMATE_OPTIONS`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``, ``distill_coef``,
+            ``recompute_chunk_tokens``; lora, dora, refta: ``rank``; hift: ``group_size``).
 
     Raises:
         UserError: an unknown option, optimizer or dtype, or a bad batch or sequence length.

@@ -12,7 +12,8 @@ One AdamW holds every parameter that will ever train; frozen ones have no gradie
 them and keeps the adapters' state across the boundary.
 
 Trades: activation memory flat in depth (two d/2 streams + one layer) for one extra forward per
-layer in backward; grads and optimizer states stay those of full fine-tuning.
+layer in backward; grads and optimizer states stay those of full fine-tuning. `recompute_chunk_tokens`
+shrinks the one layer further: its MoE branch is recomputed in backward a chunk of tokens at a time.
 """
 
 from __future__ import annotations
@@ -53,12 +54,17 @@ class RevFFNMethod(Method):
                          "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data"),
         "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
                             "(a frozen copy of the weights: +1x weights memory)", min=0.0),
+        "recompute_chunk_tokens": Key(int, 0, "backward: recompute and back-propagate each layer's MoE branch by "
+                                      "chunks of N tokens, so its working set is one chunk's (0: the whole batch; "
+                                      "a layer whose MoE branch draws random numbers is recomputed whole)", min=0),
     }
     ESTIMATE_OPTIONS = {
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
         "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
         "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
+        "recompute_chunk_tokens": Key(int, 0, "backward: the MoE branch recomputed by chunks of N tokens (0: whole)",
+                                      min=0),
     }
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
     converted_from: str | None = None  # set by `prepare` when the model came converted
@@ -107,9 +113,11 @@ class RevFFNMethod(Method):
             hf_model.stream_dtype = dtype
             if self.cfg.router_aux_loss_coef is not None:
                 hf_model.aux_loss_coef = self.cfg.router_aux_loss_coef
+            hf_model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef)
+        model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         if self.opts["adapter_init"] == "calibrated":
             from revffn.methods.conversion import calibrate_for_run
 
@@ -206,14 +214,20 @@ class RevFFNMethod(Method):
     @classmethod
     def estimate_options(cls, section: dict) -> dict:
         return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"],
-                "distill_coef": section["distill_coef"]}
+                "distill_coef": section["distill_coef"], "recompute_chunk_tokens": section["recompute_chunk_tokens"]}
 
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
-                     distill_coef: float = 0.0) -> MemoryTerms:
+                     distill_coef: float = 0.0, recompute_chunk_tokens: int = 0) -> MemoryTerms:
         """Forward: two d/2 streams and the routing records (`compact_index_dtype` per token and
         choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
-        working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router)."""
+        working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router).
+
+        The working set is attention's part (F: `ctx.layers` less `ctx.ffn`, P_up_attn's and
+        P_down_attn's inputs) plus the MoE branch's (G: `ctx.ffn`, P_up_moe's and P_down_moe's
+        inputs, the surrogate), the latter scaled by min(recompute_chunk_tokens, N) / N: recomputed by
+        chunks, G holds one chunk's tensors at a time. F and G are summed, as without chunking: the
+        layer's saved bytes, which the estimate is calibrated on (`tests/memory`)."""
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
         stream = dtype_bytes(stream_dtype, "stream_dtype")
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
@@ -221,13 +235,17 @@ class RevFFNMethod(Method):
         adapters = counts["adapters_revffn"]
         trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
-        extra = N * m.d * s + 2 * N * m.d * s  # P_up inputs (two d/2 halves), P_down inputs (two d-wide)
-        working = max(ctx.layers[i] + extra + aux * m.moe[i] for i in range(m.layers))
+        extra = N * (m.d // 2) * s + N * m.d * s  # per branch: P_up's input (a d/2 half), P_down's (d-wide)
+        chunk = min(recompute_chunk_tokens, N) / N if recompute_chunk_tokens else 1.0
+        working = max(ctx.layers[i] - ctx.ffn[i] + extra + int((ctx.ffn[i] + extra + aux * m.moe[i]) * chunk)
+                      for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
             "router frozen" if freeze_router else "router trainable")
         accumulators = 8 * (m.d * m.d + m.d * (m.d // 2) + 1)  # fp64 XᵀX, XᵀY, ‖Y‖² of P_down, the largest fit
         notes = (f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
-                 f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward",
+                 f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
+                 + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
+                    if 0 < recompute_chunk_tokens < N else ""),
                  f"revffn: {adapters} adapter params; {state}",
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
                  f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "

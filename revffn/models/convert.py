@@ -94,7 +94,12 @@ class HFRevBlock(RevBlock):
 
     A layer whose token mixer is one of `spec.mixers` (linear attention, SSM, convolution) takes the
     2-D padding mask, under the `linear_attention` mask key, as in HF.
+
+    G is token-wise (norm, router, experts, shared expert, per token; HF's MoE blocks are dropless),
+    so the reversible backward may recompute it by chunks of tokens (`recompute_chunk_tokens`).
     """
+
+    g_token_wise = True
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
                  hidden_size: int, mask_key: str, tap: RouterTap | None, config=None):
@@ -277,6 +282,10 @@ class RevFFNForCausalLM(nn.Module):
         stream_dtype: dtype of the residual streams X_1, X_2, Y_1, Y_2 (fp32 by default).
         aux_loss_coef: weight of the router load-balancing loss (0 disables it).
         chunk_tokens: rows per chunk of the head + cross-entropy (`models.loss.causal_lm_loss`).
+        recompute_chunk_tokens: rows (of the flattened B*T) per chunk of the MoE branch G's
+            recomputation in the reversible backward, so its working set is one chunk's (0: the
+            whole batch at once). A block whose G drew random numbers (dropout, router jitter) or
+            made a choice not per token is recomputed whole (`RevBlock._g_splits`).
         debug: `DebugOptions` (routing replay, flip counting, a scope around the decoder stack).
         last_stack_stats: what the last reversible forward's stack reported (routing and RNG record
             bytes and storages, the sub-blocks that drew random numbers, routing flips once its
@@ -294,6 +303,7 @@ class RevFFNForCausalLM(nn.Module):
         self.aux_loss_coef = (getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if aux_loss_coef is None \
             else aux_loss_coef
         self.chunk_tokens = chunk_tokens
+        self.recompute_chunk_tokens = 0
         self.debug = DebugOptions()
         self.last_stack_stats: dict = {}
         layers = get_path(hf_model, spec.layers)
@@ -370,6 +380,7 @@ class RevFFNForCausalLM(nn.Module):
         sctx.probe = probe
         sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
         sctx.replay_rng = self.debug.rng_replay
+        sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
         X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
         reversible = self.reversible and self.training and torch.is_grad_enabled()
         with self.debug.stack_scope():

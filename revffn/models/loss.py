@@ -8,7 +8,7 @@ logits, not the whole batch's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,12 @@ class SwitchAux:
     def with_tensors(self, tensors: list) -> SwitchAux:
         tokens, rows, row_mask = tensors
         return SwitchAux(self.num_experts, self.top_k, row_mask, tokens, None, rows, self.differentiable)
+
+    def for_rows(self, rows: slice) -> SwitchAux:
+        """This accumulator as a recomputation on the token rows `rows` alone sees it (the reversible
+        backward's chunked G): the row mask sliced to them, the totals (`tokens`, `rows`) still the
+        whole batch's, so `surrogate` on each chunk's logits adds up to the surrogate on the whole."""
+        return replace(self, row_mask=None if self.row_mask is None else self.row_mask[rows])
 
     def value(self) -> torch.Tensor:
         if self.tokens is None:

@@ -14,7 +14,9 @@ and is inverted exactly by
 the compact indices of every choice each sub-block made (router top-k, indexer top-k, max ...)
 and the RNG state of each sub-block that drew random numbers.
 `RevStackFunction.backward` walks the blocks in reverse; `RevBlock.backward_pass` rebuilds each
-block's inputs from its outputs while back-propagating through F and G (minREV's scheme).
+block's inputs from its outputs while back-propagating through F and G (minREV's scheme). With
+`StackContext.recompute_chunk_tokens`, a token-wise G is recomputed and back-propagated by chunks
+of token rows, so its working set in backward is one chunk's (`RevBlock.g_token_wise`).
 
 `run_stack(..., reversible=False)` is the plain-autograd twin: the same blocks and math, ordinary
 backprop. It is the reference for every parity test and the path used for eval and `no_grad`.
@@ -55,15 +57,17 @@ class StackContext:
     position_embeddings: object
     masks: dict[str, torch.Tensor | None]
     autocast: AutocastState
-    aux: object | None = None  # a load-balancing accumulator (models.loss.SwitchAux): add/value/surrogate
+    aux: object | None = None  # a load-balancing accumulator (models.loss.SwitchAux): add/value/surrogate/for_rows
     per_layer_position: bool = False  # position_embeddings is {layer type: embeddings}; see for_layer
     replay_routing: bool = True  # replay the recorded choices; False only to show what replay prevents (tests)
     replay_rng: bool = True  # likewise, for the RNG records
     track_flips: bool = False  # count choices the rebuilt input would have changed (debug)
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
+    recompute_chunk_tokens: int = 0  # rows (of B*T) per chunk of a token-wise G's backward recompute; 0: whole
     # filled by RevStackFunction: record_bytes (choice indices, router top-k included), rng_bytes,
     # rng_sub_blocks [(layer_idx, "F"|"G")], record_storages (choices and RNG: to exclude from
-    # activation counts), routing_flips (choices the rebuilt input would have changed)
+    # activation counts), routing_flips (choices the rebuilt input would have changed),
+    # recompute_chunks {layer_idx: chunks} (the G sub-blocks the backward recomputed by chunks)
     stats: dict = field(default_factory=dict)
 
     def for_layer(self, position_key: str | None) -> StackContext:
@@ -72,6 +76,14 @@ class StackContext:
         if not self.per_layer_position or position_key is None:
             return self
         return replace(self, position_embeddings=self.position_embeddings[position_key], per_layer_position=False)
+
+    def token_rows(self, rows: slice) -> StackContext:
+        """The context of a token-wise sub-block recomputed on the flattened token rows `rows` alone
+        (`RevBlock`'s chunked G): the aux accumulator's per-token tensors (its row mask) sliced to
+        them. Position embeddings and masks are per token too, but not by rows of B*T: they are left
+        out, so a sub-block that reads them (it is not token-wise) fails instead of mixing sizes."""
+        aux = self.aux.for_rows(rows) if self.aux is not None else None
+        return replace(self, position_embeddings=None, masks={}, aux=aux)
 
     def _inputs(self) -> tuple[list[torch.Tensor | None], TreeSpec]:
         return tree_flatten((self.position_embeddings, self.masks), is_leaf=lambda x: x is None)
@@ -93,11 +105,16 @@ class RevBlock(nn.Module):
     """One reversible layer. Subclasses define the sub-blocks `F` and `G`.
 
     Y_1 = X_1 + F(X_2);  Y_2 = X_2 + G(Y_1).   Inverse: X_2 = Y_2 - G(Y_1);  X_1 = Y_1 - F(X_2).
+
+    `g_token_wise`: a subclass whose G computes each token from that token alone (an MLP or a
+    dropless MoE: no attention, no capacity shared between tokens) sets it, and then lets the
+    backward recompute G by chunks of token rows (`StackContext.recompute_chunk_tokens`).
     """
 
     layer_idx: int = 0
     router_tap: RouterTap | None = None
     position_key: str | None = None  # with position embeddings per layer type: this block's entry
+    g_token_wise: bool = False
 
     def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         raise NotImplementedError
@@ -125,21 +142,11 @@ class RevBlock(nn.Module):
         Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
         """
         sctx = sctx.for_layer(self.position_key)
-        with torch.enable_grad():
-            Y_1 = Y_1.detach().requires_grad_(True)
-            with _replaying(records[1], sctx):
-                g_Y_1 = self.G(Y_1, sctx)
-            logits = self.router_tap.take() if self.router_tap is not None else None
-            outputs, grads = [g_Y_1], [dY_2]
-            if d_aux is not None and logits is not None:
-                outputs.append(sctx.aux.surrogate(logits, d_aux))
-                grads.append(None)
-            torch.autograd.backward(outputs, grads)
+        g_Y_1, dG = self._g_backward(Y_1, dY_2, sctx, records[1], d_aux)
         with torch.no_grad():
             X_2 = Y_2 - g_Y_1
-            del g_Y_1, outputs, logits  # G's output and router logits; their graph was freed by backward()
-            dY_1 = dY_1 + Y_1.grad
-            Y_1.grad = None
+            dY_1 = dY_1 + dG
+            del g_Y_1, dG  # G's output and the gradient it passed to Y_1
 
         with torch.enable_grad():
             X_2.requires_grad_(True)
@@ -153,6 +160,59 @@ class RevBlock(nn.Module):
             X_2.grad = None
         return X_1, X_2.detach(), dY_1, dX_2
 
+    def _g_backward(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
+                    d_aux) -> tuple[torch.Tensor, torch.Tensor]:
+        """G(Y_1) recomputed and dY_2 back-propagated through it: by chunks of
+        `sctx.recompute_chunk_tokens` token rows where `_g_splits` allows, so only one chunk's graph
+        is alive at a time, else at once. Returns (G(Y_1), the gradient reaching Y_1).
+
+        Each chunk runs G on rows a..b of the flattened (B*T, width) stream, as a (1, b-a, width)
+        sequence, replaying rows a..b of every recorded choice, with the context's per-token tensors
+        (the load-balancing row mask) sliced to the rows: the load-balancing surrogate is a sum over
+        tokens, so the chunks' surrogates add up to the whole batch's.
+        """
+        n = sctx.recompute_chunk_tokens
+        if not self._g_splits(Y_1, record, n):
+            return self._g_recompute(Y_1, dY_2, sctx, record, d_aux)
+        width = Y_1.shape[-1]
+        Y_rows, dY_rows = Y_1.reshape(-1, width), dY_2.reshape(-1, width)
+        g_rows, dY_1_rows = torch.empty_like(Y_rows), torch.empty_like(Y_rows)
+        spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
+        for rows in spans:
+            g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
+                                        record.rows(rows), d_aux)
+            g_rows[rows], dY_1_rows[rows] = g[0], grad[0]
+        sctx.stats.setdefault("recompute_chunks", {})[self.layer_idx] = len(spans)
+        return g_rows.view_as(Y_1), dY_1_rows.view_as(Y_1)
+
+    def _g_splits(self, Y_1: torch.Tensor, record: SubBlockRecord, n: int) -> bool:
+        """Whether G can be recomputed by chunks of `n` token rows, exactly: chunking is asked for and
+        would split (0 < n < B*T); G is token-wise (`g_token_wise`); the stream is (B, T, width) with
+        T > 1 (with T = 1 a choice on a (B, 1, ...) input would look like one on the flattened rows);
+        and G's record splits into rows (`SubBlockRecord.splits_into_rows`: no RNG record, since a
+        chunk would draw other numbers than the whole did, and every choice made within the rows).
+        Otherwise the block's G is recomputed whole, silently: the same gradients, the larger set."""
+        rows = Y_1.shape[:-1].numel()
+        return (self.g_token_wise and 0 < n < rows and Y_1.dim() == 3 and Y_1.shape[1] > 1
+                and record.splits_into_rows(rows))
+
+    def _g_recompute(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
+                     d_aux) -> tuple[torch.Tensor, torch.Tensor]:
+        """G(Y_1) recomputed under `record`'s replay, and dY_2 (with the load-balancing surrogate's
+        gradient, given `d_aux` and a router tap) back-propagated through it; param grads accumulate
+        into `.grad`. Returns G(Y_1), detached (backward freed its graph), and Y_1's gradient."""
+        with torch.enable_grad():
+            Y_1 = Y_1.detach().requires_grad_(True)
+            with _replaying(record, sctx):
+                g_Y_1 = self.G(Y_1, sctx)
+            logits = self.router_tap.take() if self.router_tap is not None else None
+            outputs, grads = [g_Y_1], [dY_2]
+            if d_aux is not None and logits is not None:
+                outputs.append(sctx.aux.surrogate(logits, d_aux))
+                grads.append(None)
+            torch.autograd.backward(outputs, grads)
+        return g_Y_1.detach(), Y_1.grad
+
 
 def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
     """`sub_block(x, sctx)`; with a list `records`, append its `SubBlockRecord`: the indices of the
@@ -165,10 +225,10 @@ def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tupl
     """
     if records is None:
         return sub_block(x, sctx)
-    before = RNGState.capture(x.device)
-    with recording_choices() as choices:
+    before, within_rows = RNGState.capture(x.device), []
+    with recording_choices(within_rows) as choices:
         out = sub_block(x, sctx)
-    records.append(SubBlockRecord(where, choices, before.used_since()))
+    records.append(SubBlockRecord(where, choices, before.used_since(), tuple(within_rows)))
     return out
 
 

@@ -85,6 +85,12 @@ class _Choice:
                                   and len(args) > 2 else False))
         return cls(name, kind, dim, keepdim)
 
+    def within_rows(self, source: torch.Tensor) -> bool:
+        """Whether the choice is made within each row of `source`'s leading dim (along another dim),
+        so the indices of rows a..b are the choice on rows a..b alone (`SubBlockRecord.rows`). Not
+        so for a choice over all elements, along the leading dim, or on a 1-D or 0-D input."""
+        return self.dim is not None and source.dim() >= 2 and self.dim % source.dim() != 0
+
     def index_dtype(self, source: torch.Tensor) -> torch.dtype:
         n = source.numel() if self.dim is None else (source.shape[self.dim] if source.dim() else 1)
         return compact_index_dtype(max(n, 2))
@@ -114,11 +120,12 @@ class _Choice:
 
 
 class _Record(TorchFunctionMode):
-    """Run every choice op normally and append its indices, compactly typed, to `records`."""
+    """Run every choice op normally and append its indices, compactly typed, to `records` (and,
+    with a list `within_rows`, whether it chose within rows: `_Choice.within_rows`)."""
 
-    def __init__(self, records: list[torch.Tensor]):
+    def __init__(self, records: list[torch.Tensor], within_rows: list[bool] | None = None):
         super().__init__()
-        self.records = records
+        self.records, self.within_rows = records, within_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,6 +133,8 @@ class _Record(TorchFunctionMode):
         choice = _Choice.of(func, args, kwargs)
         if choice is not None:
             self.records.append(choice.indices(out).detach().to(choice.index_dtype(args[0])))
+            if self.within_rows is not None:
+                self.within_rows.append(choice.within_rows(args[0]))
         return out
 
 
@@ -159,10 +168,12 @@ class _Replay(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def recording_choices() -> Iterator[list[torch.Tensor]]:
-    """Record the indices of every choice op in the body; yields the list they are appended to."""
+def recording_choices(within_rows: list[bool] | None = None) -> Iterator[list[torch.Tensor]]:
+    """Record the indices of every choice op in the body; yields the list they are appended to.
+    With a list `within_rows`, also append, per choice, whether it was made within each row of its
+    input's leading dim (what lets a recomputation by chunks of rows replay a slice of it)."""
     records: list[torch.Tensor] = []
-    with _Record(records):
+    with _Record(records, within_rows):
         yield records
 
 
@@ -182,25 +193,42 @@ def replaying_choices(records: list[torch.Tensor], track_flips: bool = False) ->
 @dataclass
 class SubBlockRecord:
     """What one F or G call of the reversible forward must hand to its recomputation: its choices'
-    indices (in call order) and, if it drew random numbers, the RNG state from before it ran."""
+    indices (in call order) and, if it drew random numbers, the RNG state from before it ran.
+    `within_rows` says, per choice, whether it was made within each row of its input's leading dim
+    (`_Choice.within_rows`); an empty tuple (the default) claims it for none."""
 
     where: tuple[int, str]  # (layer_idx, "F" | "G")
     choices: list[torch.Tensor] = field(default_factory=list)
     rng: RNGState | None = None
+    within_rows: tuple[bool, ...] = ()
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.choices, *(self.rng.tensors() if self.rng is not None else [])]
 
     def layout(self) -> tuple:
         """Everything but the tensors (those go through save_for_backward)."""
-        return self.where, len(self.choices), None if self.rng is None else self.rng.slots()
+        return self.where, len(self.choices), None if self.rng is None else self.rng.slots(), self.within_rows
 
     @classmethod
     def from_layout(cls, layout: tuple, tensors: Iterator[torch.Tensor]) -> SubBlockRecord:
         """The inverse of (`layout()`, `tensors()`): takes this record's tensors from `tensors`."""
-        where, n_choices, slots = layout
+        where, n_choices, slots, within_rows = layout
         choices = [next(tensors) for _ in range(n_choices)]
-        return cls(where, choices, None if slots is None else RNGState.from_slots(slots, tensors))
+        return cls(where, choices, None if slots is None else RNGState.from_slots(slots, tensors), within_rows)
+
+    def splits_into_rows(self, n: int) -> bool:
+        """Whether a recomputation on chunks of the `n` rows (the leading dim of the sub-block's
+        flattened input) can replay this record chunk by chunk (`rows`): it drew no random numbers
+        (a chunk would draw other ones than the whole did) and every choice was made within the
+        rows of an input with `n` rows, so its indices' row i belongs to row i alone."""
+        if self.rng is not None or len(self.within_rows) != len(self.choices):
+            return False
+        return all(within and c.dim() >= 1 and c.shape[0] == n for c, within in zip(self.choices, self.within_rows))
+
+    def rows(self, rows: slice) -> SubBlockRecord:
+        """The record of the recomputation on the input rows `rows` alone: each choice's rows
+        (only when `splits_into_rows`: row slices of RNG state do not exist)."""
+        return SubBlockRecord(self.where, [c[rows] for c in self.choices], None, self.within_rows)
 
 
 class RouterTap:

@@ -137,6 +137,32 @@ def test_parse_size_and_fits():
     assert fits(79 * 10**9, "80GB") and not fits(81 * 10**9, "80GB")
 
 
+@pytest.mark.parametrize("freeze_router", [True, False])
+def test_revffn_recompute_chunks_shrink_the_moe_working_set(freeze_router):
+    """recompute_chunk_tokens scales the MoE branch's part of the working set (with its adapters'
+    inputs and, on a trainable router, the load-balancing surrogate) by chunk / N; attention's part
+    stays. qwen1.5 at 32K tokens: chunks of 4096 keep 1/8 of the MoE branch's part."""
+    config, N = hf_config("qwen1.5-moe-a2.7b"), 32768
+
+    def working(chunk: int) -> int:
+        return estimate(config, "revffn", 1, N, "bfloat16", recompute_chunk_tokens=chunk,
+                        freeze_router=freeze_router)["recompute_working_set"]
+
+    whole, chunked, one = working(0), working(4096), working(1)  # one: attention's part (+ 1/N of the MoE's)
+    print(f"working set {whole / GiB:.2f} GiB whole, {chunked / GiB:.2f} GiB by 4096, {one / GiB:.2f} GiB by 1")
+    assert one < chunked < 0.6 * whole
+    assert whole - chunked == pytest.approx(7 * (chunked - one), rel=1e-3)  # linear in the chunk
+    assert working(N) == working(10**6) == whole  # a chunk of every token is the whole recomputation
+    est_whole = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router)
+    est_chunked = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router,
+                           recompute_chunk_tokens=4096)
+    assert est_whole["recompute_working_set"] == whole
+    assert est_whole["total"] - est_chunked["total"] == pytest.approx((whole - chunked) * 1.05, rel=1e-6)
+    assert any("chunks of 4096 tokens" in n for n in est_chunked["notes"])
+    with pytest.raises(UserError, match="recompute_chunk_tokens"):
+        estimate(config, "revffn", 1, N, recompute_chunk_tokens=-1)
+
+
 def test_unknown_preset_method_and_option():
     with pytest.raises(UserError) as err:
         hf_config("qwen1.5-moe")

@@ -1,0 +1,237 @@
+"""`recompute_chunk_tokens`: the reversible backward recomputes each token-wise G (the MoE branch) by
+chunks of token rows, replaying each chunk's rows of the forward's choice records; the gradients are
+those of the whole-batch recomputation (fp32 summation order aside), with padding and with the router's
+load-balancing loss. G with an RNG record, or with a choice not made per token, is recomputed whole.
+
+Tolerance: 1e-6 absolute on every gradient (parameters and the embedding output), whose largest
+entries are ~0.1-1 here; measured differences are <= ~1.2e-7 (the chunks' partial sums of a parameter's
+gradient add up in another order). A chunk replaying the wrong rows, or a missing load-balancing term,
+is off by > 1e-4 (the negative controls below).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from revffn import convert, tiny_model
+from revffn.models.convert import DebugOptions
+from tests.conftest import GENERIC, REQUIRED
+from tests.reversible.test_replay import K, _force_near_tie
+from tests.reversible.test_rng import NoisyRouter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHUNK = 7  # does not divide B * T = 26: chunks of 7, 7, 7, 5
+TOL = 1e-6
+INPUT = "<embedding output>"
+
+
+def _batch(padded: bool = True):
+    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0  # left padding
+    return ids, mask
+
+
+def _grads(model, ids, mask, chunk: int, seed: int | None = None) -> tuple[dict, float]:
+    """Every parameter's gradient and the gradient reaching the embedding output (the stack's input),
+    with `recompute_chunk_tokens=chunk`; and the loss."""
+    model.zero_grad(set_to_none=True)
+    model.recompute_chunk_tokens = chunk
+    box = {}
+
+    def keep_input_grad(module, args, out):
+        out.register_hook(lambda g: box.__setitem__(INPUT, g.clone()))
+
+    handle = model.hf.model.embed_tokens.register_forward_hook(keep_input_grad)
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)  # the same noise in every forward
+        loss = model(ids, attention_mask=mask, labels=ids, return_logits=False).loss
+        loss.backward()
+    finally:
+        handle.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {**grads, **box}, loss.item()
+
+
+def _err(a: dict, b: dict) -> float:
+    """The largest absolute difference over every gradient."""
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+def _rel(a: dict, b: dict, names) -> float:
+    num = torch.cat([(a[n] - b[n]).reshape(-1) for n in names]).norm()
+    return (num / torch.cat([b[n].reshape(-1) for n in names]).norm()).item()
+
+
+def _g_calls(model) -> tuple[list[int], list]:
+    """Records the token count of every call of each layer's MoE / MLP module that runs with grad
+    enabled (in the reversible path: only the backward recomputation)."""
+    calls = []
+
+    def count(module, args, out):
+        if torch.is_grad_enabled():
+            calls.append(args[0].shape[:-1].numel())
+
+    handles = [b.base_layer.mlp.register_forward_hook(count) for b in model.blocks]
+    return calls, handles
+
+
+@pytest.mark.parametrize("name", REQUIRED + [GENERIC])
+def test_chunked_matches_whole_with_padding_and_aux_loss(name):
+    """Padding, and the load-balancing loss with a trainable router (its gradient flows through every
+    chunk's surrogate): the same gradients as the whole-batch recomputation, and the same forward."""
+    model = convert(tiny_model(name, num_hidden_layers=2), aux_loss_coef=0.1)
+    model.train()
+    assert model.router_trainable()
+    ids, mask = _batch()
+    g_whole, loss_whole = _grads(model, ids, mask, 0)
+    assert "recompute_chunks" not in model.last_stack_stats
+    calls, handles = _g_calls(model)
+    try:
+        g_chunked, loss_chunked = _grads(model, ids, mask, CHUNK)
+    finally:
+        for h in handles:
+            h.remove()
+    err = _err(g_chunked, g_whole)
+    print(f"{name}: chunked vs whole, max abs grad difference {err:.2e}")
+    assert loss_chunked == loss_whole  # the forward is untouched
+    assert max(g.abs().max().item() for g in g_whole.values()) > 1e-2  # the tolerance is small against them
+    assert err <= TOL
+    assert model.last_stack_stats["recompute_chunks"] == {0: 4, 1: 4}
+    assert calls == [7, 7, 7, 5] * 2  # G really ran chunk by chunk in backward, never on all 26 tokens
+
+
+def test_aux_loss_gradient_is_exact_per_chunk():
+    """aux_loss_coef 1: the router gradients are dominated by the load-balancing term, which the
+    chunks inject through their own rows of the padding mask; without that term they are far off."""
+    model = convert(tiny_model("tiny-qwen3-moe", num_hidden_layers=3), aux_loss_coef=1.0)
+    model.train()
+    ids, mask = _batch()
+    g_whole, _ = _grads(model, ids, mask, 0)
+    g_chunked, _ = _grads(model, ids, mask, CHUNK)
+    routers = [n for n in g_whole if ".mlp.gate." in n]
+    assert len(routers) == 3
+    assert _err(g_chunked, g_whole) <= TOL
+    assert _rel(g_chunked, g_whole, routers) <= 1e-5
+    model.aux_loss_coef = 0.0
+    g_noaux, _ = _grads(model, ids, mask, CHUNK)
+    assert _rel(g_noaux, g_whole, routers) > 1e-2, "the aux loss must contribute to router gradients"
+
+
+def test_chunked_replay_survives_a_forced_near_tie():
+    """The negative control of the record slicing: a forced near-tie (test_replay) makes the rebuilt
+    input choose other experts. Each chunk replays its own rows of the record, so the gradients are
+    the whole recomputation's; a chunked recomputation without replay (fresh choices) is far off."""
+    torch.manual_seed(0)
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            _force_near_tie(layer.mlp.gate.weight)
+    model = convert(hf, adapter_init="coordinate")
+    model.train()
+
+    def flip_feature_k(module, args):
+        if torch.is_grad_enabled():  # only the backward recomputation runs the router with grad
+            x = args[0].clone()
+            x[..., K] = -x[..., K]
+            return (x,)
+
+    ids = torch.randint(3, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    handles = [r.register_forward_pre_hook(flip_feature_k) for r in model.routers()]
+    try:
+        g_whole, _ = _grads(model, ids, None, 0)
+        model.debug = DebugOptions(track_routing_flips=True)
+        g_chunked, _ = _grads(model, ids, None, CHUNK)
+        flips = model.routing_flips()
+        model.debug = DebugOptions(routing_replay=False)
+        g_fresh, _ = _grads(model, ids, None, CHUNK)
+    finally:
+        for h in handles:
+            h.remove()
+        model.debug = DebugOptions()
+    experts = [n for n in g_whole if ".experts." in n]
+    err, err_fresh = _err(g_chunked, g_whole), _rel(g_fresh, g_whole, experts)
+    print(f"flips={flips}: chunked replay max abs difference {err:.2e}; without replay expert grads {err_fresh:.2e}")
+    assert flips > 0, "the forced near-tie must flip the fresh top-k in the chunks"
+    assert err <= TOL
+    assert err_fresh > 1e-2
+
+
+def test_rng_in_g_falls_back_to_the_whole_recomputation():
+    """Router jitter draws random numbers in G: a chunk would draw others, so every G is recomputed
+    whole: the same bits as without chunking, and no layer in `recompute_chunks`."""
+    model = convert(tiny_model("tiny-mixtral", num_hidden_layers=2, router_jitter_noise=0.2))
+    model.train()
+    ids, mask = _batch()
+    g_whole, _ = _grads(model, ids, mask, 0, seed=123)
+    g_chunked, _ = _grads(model, ids, mask, CHUNK, seed=123)
+    assert model.last_stack_stats["rng_sub_blocks"] == [(0, "G"), (1, "G")]
+    assert model.last_stack_stats.get("recompute_chunks", {}) == {}
+    assert all(torch.equal(g_chunked[n], g_whole[n]) for n in g_whole)
+    g_other, _ = _grads(model, ids, mask, 0, seed=7)
+    assert _err(g_other, g_whole) > 1e-4, "the noise must matter"
+
+
+def test_rng_in_one_layer_or_in_f_only():
+    """Noise in layer 1's router only: layer 1's G is recomputed whole, layer 0's by chunks. Attention
+    dropout draws in F, which is never chunked: G still is. Both exact against the whole recomputation."""
+    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=2, attention_dropout=0.3)
+    hf.model.layers[1].mlp.gate = NoisyRouter(hf.model.layers[1].mlp.gate)
+    model = convert(hf)
+    model.train()
+    ids, mask = _batch()
+    g_whole, _ = _grads(model, ids, mask, 0, seed=5)
+    g_chunked, _ = _grads(model, ids, mask, CHUNK, seed=5)
+    stats = model.last_stack_stats
+    assert stats["rng_sub_blocks"] == [(0, "F"), (1, "F"), (1, "G")]
+    assert stats["recompute_chunks"] == {0: 4}
+    assert _err(g_chunked, g_whole) <= TOL
+
+
+class CrossTokenRouter(nn.Module):
+    """A router that also makes a choice across tokens (it orders them by their top logit, as an
+    expert-choice router would), or one on the (B, T, E) logits: not row slices of B*T."""
+
+    def __init__(self, router: nn.Module, how: str):
+        super().__init__()
+        self.router, self.how = router, how
+
+    def forward(self, x):
+        logits, weights, chosen = self.router(x)
+        if self.how == "across":
+            logits.max(-1).values.argsort()  # a choice along the token dim: recorded, not per row
+        else:
+            logits.view(1, -1, logits.shape[-1]).topk(2, dim=-1)  # a (1, T, k) record: leading dim 1
+        return logits, weights, chosen
+
+
+@pytest.mark.parametrize("how", ["across", "3d"])
+def test_a_choice_not_per_row_falls_back(how):
+    """A record that is not row slices of B*T: that G is recomputed whole, exactly as without chunking."""
+    hf = tiny_model("tiny-olmoe", num_hidden_layers=2)
+    hf.model.layers[0].mlp.gate = CrossTokenRouter(hf.model.layers[0].mlp.gate, how)
+    model = convert(hf)
+    model.train()
+    ids, mask = _batch()
+    g_whole, _ = _grads(model, ids[:1], mask[:1], 0)
+    g_chunked, _ = _grads(model, ids[:1], mask[:1], CHUNK)
+    assert model.last_stack_stats["recompute_chunks"] == {1: 2}  # layer 1 by chunks, layer 0 whole
+    assert _err(g_chunked, g_whole) <= TOL
+
+
+def test_chunk_of_all_tokens_or_more_is_the_whole_recomputation():
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
+    model.train()
+    ids, mask = _batch()
+    g_whole, _ = _grads(model, ids, mask, 0)
+    for chunk in (26, 1000):
+        g, _ = _grads(model, ids, mask, chunk)
+        assert "recompute_chunks" not in model.last_stack_stats
+        assert all(torch.equal(g[n], g_whole[n]) for n in g_whole)
+    g_one, _ = _grads(model, ids, mask, 1)  # one token per chunk
+    assert model.last_stack_stats["recompute_chunks"] == {0: 26, 1: 26}
+    assert _err(g_one, g_whole) <= TOL
