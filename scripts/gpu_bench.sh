@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark: `revffn check` (bf16) and `revffn bench` (full, ckpt, revffn) at the
+# One prepared GPU benchmark: `revffn check` (bf16) and `revffn bench` (full, ckpt, revffn, and revffn with
+# the in-backward step + adamw8bit / adafactor, and CPU-offloaded AdamW) at the
 # Qwen1.5-MoE-A2.7B geometry (config-only preset: random init, bf16), on one CUDA GPU, offline.
 # Finishes in about 5 minutes on an H100/H200 (8 of the 24 layers; the full depth needs ~130 GiB
 # for `full`: FULL_DEPTH=1 adds that run). Results (JSON, markdown, plot, log) go to $OUT if set,
@@ -25,8 +26,13 @@ PY="${PYTHON:-python3}"
 MODEL="${MODEL:-qwen1.5-moe-a2.7b}"
 LAYERS="${LAYERS:-8}"; BATCH="${BATCH:-4}"; SEQ="${SEQ:-1024}"; STEPS="${STEPS:-3}"
 DEVICE="${DEVICE:-cuda}"; CHECK_LAYERS="${CHECK_LAYERS:-2}"; HIDDEN=()
+# full, ckpt, revffn, and revffn with the optimizer step in backward and low-memory optimizer states
+# (issue 13): adamw8bit / adafactor, and the CPU-offloaded AdamW (CUDA only)
+IB="optimizer_in_backward=true"
+METHODS="${METHODS:-full,ckpt,revffn,revffn:$IB,revffn:$IB:optimizer=adamw8bit,revffn:$IB:optimizer=adafactor,revffn:optimizer_offload=cpu}"
 if [ "${TINY:-0}" = 1 ]; then
   LAYERS=1; BATCH=1; SEQ=16; STEPS=1; DEVICE=cpu; CHECK_LAYERS=1; HIDDEN=(--hidden 64)
+  METHODS="${METHODS//,revffn:optimizer_offload=cpu/}"  # offload is CUDA only
 fi
 
 log() { echo "[gpu_bench $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
@@ -65,7 +71,7 @@ rc=$?; log "check exit code $rc: $(head -c 400 "$DEST/check.json")"; [ $rc -ne 0
 # -- 2. bench: full vs ckpt vs revffn, fresh process each, 150 s per method at most -----------------
 run_bench() {  # $1: layers, $2: output dir
   log "revffn bench --model $MODEL --layers $1 --batch $BATCH --seq $SEQ --steps $STEPS (bf16, $DEVICE)"
-  "$PY" -m revffn bench --model "$MODEL" --methods full,ckpt,revffn --layers "$1" ${HIDDEN[@]+"${HIDDEN[@]}"} \
+  "$PY" -m revffn bench --model "$MODEL" --methods "$METHODS" --layers "$1" ${HIDDEN[@]+"${HIDDEN[@]}"} \
     --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --dtype bfloat16 --device "$DEVICE" --timeout 150 \
     --out "$2" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}

@@ -101,6 +101,25 @@ class StackContext:
         return replace(self, position_embeddings=position_embeddings, masks=masks, aux=aux)
 
 
+_PARTIAL_GRADIENTS = [0]  # > 0 while a chunked recompute accumulates gradients that more chunks will add to
+
+
+@contextlib.contextmanager
+def partial_gradients():
+    """Inside, gradients accumulated into `.grad` are partial: more chunks of the same backward follow
+    (`RevBlock`'s chunked G). A hook that acts on a complete gradient (the optimizer step in backward,
+    `training.optim.InBackward`) waits for the last chunk (`gradients_partial()`)."""
+    _PARTIAL_GRADIENTS[0] += 1
+    try:
+        yield
+    finally:
+        _PARTIAL_GRADIENTS[0] -= 1
+
+
+def gradients_partial() -> bool:
+    return _PARTIAL_GRADIENTS[0] > 0
+
+
 class RevBlock(nn.Module):
     """One reversible layer. Subclasses define the sub-blocks `F` and `G`.
 
@@ -178,9 +197,10 @@ class RevBlock(nn.Module):
         Y_rows, dY_rows = Y_1.reshape(-1, width), dY_2.reshape(-1, width)
         g_rows, dY_1_rows = torch.empty_like(Y_rows), torch.empty_like(Y_rows)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
-        for rows in spans:
-            g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
-                                        record.rows(rows), d_aux)
+        for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
+            with partial_gradients() if i + 1 < len(spans) else contextlib.nullcontext():
+                g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
+                                            record.rows(rows), d_aux)
             g_rows[rows], dY_1_rows[rows] = g[0], grad[0]
         sctx.stats.setdefault("recompute_chunks", {})[self.layer_idx] = len(spans)
         return g_rows.view_as(Y_1), dY_1_rows.view_as(Y_1)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from revffn.errors import UserError
+from revffn.reversible.coupling import gradients_partial
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 TORCHAO = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
@@ -148,8 +149,10 @@ class InBackward:
 
     def _hook(self, optimizer):
         def step(p: torch.Tensor) -> None:
-            if p.grad is None:  # RevFFN's stack Function hands its parameters an undefined gradient after its
-                return  # backward already accumulated, stepped and freed them block by block
+            # None: RevFFN's stack Function hands its parameters an undefined gradient after its backward
+            # already stepped and freed them block by block; partial: a chunked recompute has more to add
+            if p.grad is None or gradients_partial():
+                return
             norm = p.grad.detach().float().norm()
             self.largest_grad_bytes = max(self.largest_grad_bytes, p.grad.numel() * p.grad.element_size())
             self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()

@@ -61,12 +61,16 @@ def _weights_after(method: str, steps: int, *overrides: str):
     return {n: p.detach().clone() for n, p in run.model.named_parameters()}, norms, run
 
 
-@pytest.mark.parametrize("method", ["full", "ckpt", "revffn"])
-def test_in_backward_step_equals_the_ordinary_step(method, one_thread):
+@pytest.mark.parametrize("method,extra", [("full", []), ("ckpt", []), ("revffn", []),
+                                          ("revffn", ["revffn.recompute_chunk_tokens=7"])])
+def test_in_backward_step_equals_the_ordinary_step(method, extra, one_thread):
     """fp32, AdamW, clipping off: stepping each parameter inside the backward gives the same weights
-    (revffn: across its stage boundary; each block is stepped inside its own backward_pass)."""
-    ref, ref_norms, _ = _weights_after(method, 4, "max_grad_norm=0")
-    got, norms, run = _weights_after(method, 4, "max_grad_norm=0", "optimizer_in_backward=true")
+    (revffn: across its stage boundary; each block is stepped inside its own backward_pass, after the
+    last chunk of a chunked recompute)."""
+    ref, ref_norms, _ = _weights_after(method, 4, "max_grad_norm=0", *extra)
+    got, norms, run = _weights_after(method, 4, "max_grad_norm=0", "optimizer_in_backward=true", *extra)
+    if extra:
+        assert run.model.last_stack_stats.get("recompute_chunks")  # the chunked path ran
     assert isinstance(run.optimizer, InBackward)
     assert all(p.grad is None for p in run.model.parameters())  # every gradient freed in backward
     worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
