@@ -79,23 +79,28 @@ def test_in_backward_step_equals_the_ordinary_step(method, extra, one_thread):
     assert norms == pytest.approx(ref_norms, rel=1e-5)  # the logged global norm, before any clipping
 
 
-def test_in_backward_clips_each_parameter_by_its_own_norm(one_thread):
+def test_in_backward_clips_each_parameter_by_its_share_of_the_norm(one_thread):
+    # epsilon 1e-3, far above these gradients: the update is ~ lr * g / eps, so the clipping shows in it
     got, _, run = _weights_after("full", 1, "max_grad_norm=1e-3", "optimizer_in_backward=true",
-                                 "lr_scheduler_type=constant", "weight_decay=0")
+                                 "lr_scheduler_type=constant", "weight_decay=0", "adam_epsilon=1e-3")
     ref_run = build_run(load_config(None, [*TINY, "method=full", "max_grad_norm=0"]), torch.device("cpu"))
     before = {n: p.detach().clone() for n, p in ref_run.model.named_parameters()}
     out = ref_run.model(**_batch(0), return_logits=False)
     loss = out.loss_sum / int((_batch(0)["labels"][:, 1:] != -100).sum())
     (loss + ref_run.model.aux_loss_coef * out.aux_loss).backward()  # as train_step: the router's aux loss too
+    total, clipped = sum(p.numel() for p in ref_run.params), 0
     for n, p in ref_run.model.named_parameters():  # the reference: clip each gradient alone, one AdamW step
         if p.grad is None:
             continue
-        g = p.grad * min(1.0, 1e-3 / (float(p.grad.norm()) + 1e-6))
-        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+        bound = 1e-3 * (p.numel() / total) ** 0.5  # its share of the global budget
+        clipped += float(p.grad.norm()) > bound
+        g = p.grad * min(1.0, bound / (float(p.grad.norm()) + 1e-6))
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0, eps=1e-3)
         p.grad = g
         opt.step()
         assert torch.allclose(got[n], p.detach(), atol=1e-6), n
         assert not torch.equal(got[n], before[n])
+    assert clipped > 5  # the bound bit
 
 
 @pytest.mark.parametrize("optimizer", ["adafactor", pytest.param("adamw8bit", marks=pytest.mark.integration)])

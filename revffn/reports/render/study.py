@@ -107,7 +107,7 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         return "n/a" if v is None else f"{v:.4f}"
 
     for g in data["conversion_gap"]:
-        stage1 = f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'task')}"
+        stage1 = f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
         lines.append(f"| {g['task']} | {g['variant']} | {g.get('adapter_init', 'calibrated')} | {stage1} | "
                      f"{g.get('distill_coef', 0):g} | {g['base']:.4f} | {cell(g['converted_init'])} | "
                      f"{cell(g['after_stage1'])} | {g['after_schedule']:.4f} | {100 * g['test_exact_match']:.1f} |")
