@@ -56,7 +56,8 @@ def render(data: dict) -> str:
              f"{data['git']}. Every row: the built-in quickstart (`revffn train`, RevFFN on `builtin:base`, 200 "
              "steps x 16 of `commas_train`, LR 1e-3 unless given), final eval loss on `commas_test`; target: "
              "within 1.25x AdamW's.", "",
-             "| optimizer | overrides | final eval loss | ÷ AdamW | within 1.25x | wall s |", "|---|---|---:|---:|---|---:|"]
+             "| optimizer | overrides | final eval loss | ÷ AdamW | within 1.25x | wall s |",
+             "|---|---|---:|---:|---|---:|"]
     for r in data["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['label']} | `{' '.join(r['overrides'])}` | error | | | |")

@@ -69,7 +69,8 @@ def validate(spec: ConvertSpec):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
     parse_dtype(spec.stream_dtype, "--stream-dtype")
     if spec.heal_hidden_coef < 0:
-        raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a positive weight.")
+        raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
+                        "positive weight.")
     out = Path(spec.out)
     if out.exists() and any(out.iterdir()) and not spec.overwrite:
         raise UserError(f"--out: {spec.out!r} exists and is not empty. Nothing was written. Fix: choose a new "

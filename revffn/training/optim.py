@@ -77,7 +77,8 @@ def check_optimizer(cfg, device: torch.device, weights_dtype: torch.dtype, metho
             raise UserError(f"optimizer: {name} needs torchao.optim.{TORCHAO[name]}, which the installed torchao "
                             "lacks. Fix: upgrade torchao, or optimizer=adamw.")
     if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
-        raise UserError(f"optimizer: adafactor needs torch.optim.Adafactor (torch >= 2.5; this is {torch.__version__}). "
+        raise UserError("optimizer: adafactor needs torch.optim.Adafactor (torch >= 2.5; this is "
+                        f"{torch.__version__}). "
                         "Fix: upgrade torch, or optimizer=adamw.")
     if cfg.optimizer_in_backward and cfg.gradient_accumulation_steps > 1:
         raise UserError(f"optimizer_in_backward: true steps each parameter inside the backward, so it cannot "

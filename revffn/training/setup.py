@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from revffn.errors import UserError
+from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
-from revffn.methods import method_class
 from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
 from revffn.training.optim import check_optimizer
 

@@ -123,7 +123,8 @@ def test_recompute_chunk_tokens_reaches_the_backward_and_the_estimate():
 @pytest.mark.integration
 def test_heal_stage_resumes_exactly(tmp_path):
     """Heal steps 1-4 on `self` text, joint steps 5-6 with distillation; resumed from step 3."""
-    args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_warmup_steps=4", "revffn.distill_coef=0.5", "data=builtin:quickstart_train",
+    args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_warmup_steps=4",
+            "revffn.distill_coef=0.5", "data=builtin:quickstart_train",
             "eval_data=null", "max_seq_length=32", "save_steps=3", "logging_steps=1"]
     assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0
     import shutil

@@ -14,7 +14,6 @@ from revffn.models.presets import tiny_model
 from revffn.models.teacher import sample_self
 from revffn.training.evaluate import retention_loss
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 

@@ -16,7 +16,6 @@ from revffn.models.teacher import sample_self, student_hidden, teacher_hidden, t
 from revffn.training.evaluate import retention_loss
 from tests.conftest import GENERIC, REQUIRED
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from revffn import convert, tiny_model
 from revffn.models.convert import DebugOptions
 from tests.conftest import GENERIC, REQUIRED
-from tests.reversible.test_replay import K, _force_near_tie
+from tests.reversible.test_replay import K, near_tie_model
 from tests.reversible.test_rng import NoisyRouter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,12 +126,7 @@ def test_chunked_replay_survives_a_forced_near_tie():
     """The negative control of the record slicing: a forced near-tie (test_replay) makes the rebuilt
     input choose other experts. Each chunk replays its own rows of the record, so the gradients are
     the whole recomputation's; a chunked recomputation without replay (fresh choices) is far off."""
-    torch.manual_seed(0)
-    hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            _force_near_tie(layer.mlp.gate.weight)
-    model = convert(hf, adapter_init="coordinate")
+    model = near_tie_model()
     model.train()
 
     def flip_feature_k(module, args):

@@ -66,13 +66,18 @@ def _near_tie(model, routers, ids):
     return flips, err_replay, err_no_replay
 
 
-def test_routing_replay_survives_a_forced_near_tie():
+def near_tie_model():
+    """A converted 3-layer tiny-qwen2-moe (top-1) whose every router has a forced near-tie."""
     torch.manual_seed(0)
     hf = tiny_model("tiny-qwen2-moe", num_hidden_layers=3, num_experts_per_tok=1, router_aux_loss_coef=0.0)
     with torch.no_grad():
         for layer in hf.model.layers:
             _force_near_tie(layer.mlp.gate.weight)
-    model = convert(hf, adapter_init="coordinate")
+    return convert(hf, adapter_init="coordinate")
+
+
+def test_routing_replay_survives_a_forced_near_tie():
+    model = near_tie_model()
     flips, err_replay, err_no_replay = _near_tie(model, model.routers(), torch.randint(3, 512, (2, 32)))
     assert flips > 0, "the forced near-tie must actually flip the fresh top-k"
     assert err_replay < 1e-4
