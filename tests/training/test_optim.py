@@ -103,12 +103,13 @@ def test_in_backward_clips_each_parameter_by_its_share_of_the_norm(one_thread):
     assert clipped > 5  # the bound bit
 
 
-@pytest.mark.parametrize("optimizer", ["adafactor", pytest.param("adamw8bit", marks=pytest.mark.integration)])
+@pytest.mark.parametrize("optimizer", ["adafactor", pytest.param("adamw8bit", marks=pytest.mark.integration),
+                                       pytest.param("adamw4bit", marks=pytest.mark.integration)])
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, one_thread):
     """Each optimizer, with and without the in-backward step: the loss falls, and a run resumed from its
     step-3 checkpoint reproduces steps 4-6 (the optimizer state saved and restored)."""
-    pytest.importorskip("torchao") if optimizer == "adamw8bit" else None
+    pytest.importorskip("torchao") if "bit" in optimizer else None
     args = ["train", *TINY[:2], "method=revffn", "data=builtin:quickstart_train", "eval_data=null",
             "model_config={num_hidden_layers: 2, hidden_size: 64}", "max_steps=6", "save_steps=3",
             "per_device_train_batch_size=4", "max_seq_length=32", "dtype=float32", "device=cpu",
