@@ -188,8 +188,9 @@ def cmd_train(args) -> int:
     except TrainingDiverged as e:
         print(f"revffn train: diverged: {e}", file=sys.stderr)
         return 1
-    print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
-          f"report in {cfg.output_dir}/report.md")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
+        print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
+              f"report in {cfg.output_dir}/report.md")
     return 0
 
 

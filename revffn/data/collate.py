@@ -97,6 +97,23 @@ def collate(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def data_shard() -> tuple[int, int]:
+    """(rank, world size) of this process's share of every global batch: (0, 1) unless a
+    `torch.distributed` process group is up (data-parallel training). A global micro-batch holds
+    `per_device_train_batch_size x world` rows, drawn in one order for all ranks; rank r trains on
+    rows r x per_device .. (r + 1) x per_device of it (`shard_rows`)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_rows(rows: list, per_device: int) -> list:
+    """This process's `per_device` rows of a global micro-batch (`data_shard`)."""
+    rank, _ = data_shard()
+    return rows[rank * per_device : (rank + 1) * per_device]
+
+
 class DataOrder:
     """Deterministic, resumable order over `n` items: epoch e walks randperm(n) seeded with seed + e.
 

@@ -44,6 +44,10 @@ class Method:
     # `optimizer_in_backward`: the loop may step each parameter from its gradient hook (False: the method
     # moves or reads optimizer state itself between steps, e.g. HiFT)
     OPTIMIZER_IN_BACKWARD: ClassVar[bool] = True
+    # `distributed: ddp`: the method trains the same parameters on every rank, with optimizer state where
+    # the parameters are (False: e.g. HiFT moves optimizer state between devices and changes the trained
+    # group every step, which a DistributedDataParallel wrapper does not follow)
+    DDP_OK: ClassVar[bool] = True
 
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)
@@ -82,7 +86,10 @@ class Method:
         """(output, extra) of one micro-batch: `output.loss_sum` is summed over the positions its labels
         select (train_step divides by their count over the step's micro-batches); `extra` is None or a
         scalar loss already averaged over this micro-batch (train_step divides it by the number of
-        micro-batches). Default: the model's causal-LM loss, nothing extra."""
+        micro-batches). Default: the model's causal-LM loss, nothing extra.
+
+        Data-parallel, `model` is the `DistributedDataParallel` wrapper (`training.step.DDPModel`):
+        calling it is what all-reduces the gradients; its attributes are the wrapped model's."""
         return model(**batch, return_logits=False), None
 
     def schedule_position(self, step: int) -> int:

@@ -26,6 +26,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 from revffn.data.calibration import SELF
+from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
@@ -133,8 +134,8 @@ class RevFFNMethod(Method):
 
             check_source(opts["heal_data"], "revffn.heal_data", (cfg.data, cfg.eval_data))
             self.heal_rows = StepRows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer),
-                                      cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps,
-                                      "revffn.heal_data", cfg.seed)
+                                      cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                                      * data_shard()[1], "revffn.heal_data", cfg.seed)
         elif opts["adapter_warmup_steps"]:
             from revffn.methods.conversion import log_line
 
@@ -164,12 +165,14 @@ class RevFFNMethod(Method):
 
     def step_batches(self, model, step: int, micro_batches: list[dict]) -> list[dict]:
         """The heal stage trains on heal text (rows of 128 tokens, as many rows per micro-batch as the
-        task's), every position predicted; otherwise the task's batches."""
+        task's), every position predicted; otherwise the task's batches. Data-parallel: the step's rows
+        are the global batch's, each rank heals on its share of every micro-batch (`shard_rows`)."""
         if self.stage(step) != "heal":
             return micro_batches
+        bsz = self.cfg.per_device_train_batch_size
         rows = self.heal_rows(model, step).cpu()
         return [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r}
-                for r in rows.split(self.cfg.per_device_train_batch_size)]
+                for r in (shard_rows(g, bsz) for g in rows.split(bsz * data_shard()[1]))]
 
     def forward(self, model, batch: dict, step: int) -> tuple:
         """Heal stage: `loss_sum` is KL(teacher ‖ student) summed over the positions the labels select,

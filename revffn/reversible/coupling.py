@@ -274,10 +274,18 @@ class RevStackFunction(torch.autograd.Function):
     on values (top-k, sort, max with a dim, ...), and the RNG state from before it ran, only if it
     drew random numbers (zero bytes otherwise). Both are replayed in backward, so each sub-block is
     recomputed as the same function it was in forward.
+
+    The blocks' parameters are not inputs of the Function: their gradients come from the nested
+    `torch.autograd.backward` calls of `backward`, which accumulate into `.grad` (and fire each
+    parameter's accumulate-grad hooks once, as DDP's reducer and the in-backward optimizer expect).
+    Passed as inputs, the Function would also be an edge to every parameter: DDP then sees each one
+    ready twice (an error), or with `static_graph` reduces before the nested grads land (silently
+    wrong gradients). `anchor` (`run_stack`: a grad-requiring empty tensor) keeps the backward
+    reachable when neither stream requires grad (frozen embeddings); its gradient is None.
     """
 
     @staticmethod
-    def forward(ctx, X_1, X_2, blocks, sctx: StackContext, *params):
+    def forward(ctx, X_1, X_2, blocks, sctx: StackContext, anchor):
         per_block: list[list[SubBlockRecord]] = []  # [F's, G's] record of every block
         with torch.no_grad():
             for block in blocks:
@@ -309,8 +317,7 @@ class RevStackFunction(torch.autograd.Function):
             )
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, Y_1, Y_2)
-        n_params = len(ctx.needs_input_grad) - 4
-        return (dY_1, dY_2, None, None, *([None] * n_params))
+        return dY_1, dY_2, None, None, None
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -323,8 +330,8 @@ def run_stack(blocks, X_1, X_2, sctx: StackContext, reversible: bool):
     reversible=True uses `RevStackFunction` (O(1) activations in depth); False is the plain twin.
     """
     if reversible:
-        params = [p for b in blocks for p in b.parameters() if p.requires_grad]
-        return RevStackFunction.apply(X_1, X_2, blocks, sctx, *params)
+        anchor = torch.empty(0, device=X_1.device, requires_grad=torch.is_grad_enabled())
+        return RevStackFunction.apply(X_1, X_2, blocks, sctx, anchor)
     for block in blocks:
         if sctx.probe is not None:
             sctx.probe(block.layer_idx, X_1, X_2)

@@ -63,6 +63,8 @@ SCHEMA: dict[str, Key] = {
     "dtype": Key(str, "auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16",
                  choices=("auto", "float32", "bfloat16")),
     "device": Key(str, "auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda")),
+    "distributed": Key(str, "auto", "auto (ddp when launched by torchrun with WORLD_SIZE > 1) | none | ddp "
+                       "(DistributedDataParallel)", choices=("auto", "none", "ddp")),
     "router_aux_loss_coef": Key((float, type(None)), None, "router load-balancing loss weight (null: model's)",
                                 min=0),
     "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)"),

@@ -7,6 +7,11 @@
 open metrics.jsonl and the progress bar) -> `Recipe.train` (the step loop: `train_step`, then a
 metrics line, an eval and a checkpoint on their cadence) -> `Recipe.export` (final/) -> report.
 The metrics file and the bar are closed, and the report written, on every path, errors included.
+
+Under torchrun (`distributed: ddp`) every rank runs this loop on its share of each global batch
+(`data.collate.shard_rows`); rank 0 alone writes the run's files (config.yaml, metrics.jsonl,
+checkpoints, final/, the report) and shows the bar. Each rank holds the whole model and optimizer,
+so rank 0's ordinary checkpoint is the run's. Peak memory is the max over ranks.
 """
 
 from __future__ import annotations
@@ -25,13 +30,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from revffn.data.collate import DataOrder, collate
+from revffn.data.collate import DataOrder, collate, shard_rows
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
 from revffn.training.evaluate import eval_loss
 from revffn.training.report import write_run_report
-from revffn.training.setup import clear_run, model_overrides, prepare_run, saved_config_text
+from revffn.training.setup import (
+    clear_run,
+    init_distributed,
+    is_main_process,
+    model_overrides,
+    prepare_run,
+    saved_config_text,
+)
 from revffn.training.step import StepResult, build_run, train_step
 
 Fault = Callable[[str, int], None]
@@ -59,6 +71,7 @@ class Recipe:
     def __init__(self, cfg, plan, fault: Fault | None = None):
         self.cfg, self.plan, self.fault = cfg, plan, fault
         self.step, self.stage = 0, None
+        self.main = is_main_process()  # rank 0 (or the only process): writes the run's files
         self._open = contextlib.ExitStack()  # the metrics file and the bar
 
     def setup(self) -> None:
@@ -69,15 +82,17 @@ class Recipe:
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
         self.bar = self._open.enter_context(tqdm(total=cfg.max_steps, initial=self.step, desc=f"{cfg.method}",
-                                                 dynamic_ncols=True, disable=None, file=sys.stderr))
-        self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a"))
+                                                 dynamic_ncols=True, disable=None if self.main else True,
+                                                 file=sys.stderr))
+        self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a")) if self.main else None
 
     def _resume(self, path: Path) -> None:
         state = load_checkpoint(path, self.run.model, self.run.optimizer)
         self.step = state["step"]
         self.order.load_state_dict(state["data_order"])
         self.run.method.load_state_dict(state["method_state"])
-        _truncate_metrics(self.plan.run_dir / "metrics.jsonl", self.step)
+        if self.main:
+            _truncate_metrics(self.plan.run_dir / "metrics.jsonl", self.step)
 
     def train(self) -> None:
         """The step loop: one optimizer step, then a metrics line, an eval and a checkpoint on their cadence."""
@@ -103,14 +118,16 @@ class Recipe:
                 self._save()
 
     def _micro_batches(self) -> list[dict]:
-        """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order."""
-        items, bsz = self.plan.train_set.items, self.cfg.per_device_train_batch_size
-        return [collate([items[i] for i in self.order.next_indices(bsz)], self.plan.tokenizer.pad_token_id)
+        """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order: this
+        rank's share of each global micro-batch of `per_device_train_batch_size x world` items."""
+        items, bsz, world = self.plan.train_set.items, self.cfg.per_device_train_batch_size, _world()
+        return [collate([items[i] for i in shard_rows(self.order.next_indices(bsz * world), bsz)],
+                        self.plan.tokenizer.pad_token_id)
                 for _ in range(self.cfg.gradient_accumulation_steps)]
 
     def _log(self, result: StepResult) -> None:
         """One metrics.jsonl line (and the bar's postfix); raises TrainingDiverged on a NaN/Inf loss."""
-        cfg, run, w, step = self.cfg, self.run, self.window, self.step
+        run, w, step = self.run, self.window, self.step
         dt = time.perf_counter() - w.t_start
         train_loss = (w.loss_sum / max(w.n_tokens, 1)).item()  # the one host sync per log
         if bool(self.nonfinite) or not math.isfinite(train_loss):
@@ -119,17 +136,23 @@ class Recipe:
                                    "raise warmup_steps, or set max_grad_norm.")
         rec = {"step": step, "stage": self.stage, "loss": train_loss, "lr": result.lr,
                "grad_norm": float(result.grad_norm), "tokens_per_s": w.seen_tokens / dt,
-               "peak_mem_bytes": peak_memory_bytes(run.device)}
+               "peak_mem_bytes": _max_over_ranks(peak_memory_bytes(run.device), run.device)}
         if result.aux_loss is not None:
             rec["aux_loss"] = float(result.aux_loss)
         rec.update(run.method.log_metrics(run.model, run.optimizer))
+        if self.main:
+            self._write(rec, train_loss)
+        self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
+
+    def _write(self, rec: dict, train_loss: float) -> None:
+        """Rank 0: the line (with eval_loss on its cadence) to metrics.jsonl, and the bar's postfix."""
+        cfg, step = self.cfg, self.step
         if self.plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
             rec["eval_loss"] = self.eval_loss()
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.bar.set_postfix(loss=f"{train_loss:.3f}", stage=self.stage, tok_s=f"{rec['tokens_per_s']:.0f}",
                              mem=f"{rec['peak_mem_bytes'] / 2**30:.2f}G")
-        self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
 
     def _save(self) -> None:
         if bool(self.nonfinite):
@@ -137,8 +160,11 @@ class Recipe:
         cfg, run = self.cfg, self.run
         state = {"step": self.step, "data_order": self.order.state_dict(), "method_state": run.method.state_dict(),
                  "model": cfg.model, "method": cfg.method, "stage": self.stage}
-        save_checkpoint(self.plan.run_dir, self.step, run.model, run.optimizer, state, saved_config_text(cfg),
-                        cfg.save_total_limit, self.fault)
+        _barrier()
+        if self.main:
+            save_checkpoint(self.plan.run_dir, self.step, run.model, run.optimizer, state, saved_config_text(cfg),
+                            cfg.save_total_limit, self.fault)
+        _barrier()
 
     def eval_loss(self) -> float:
         plan, run = self.plan, self.run
@@ -146,8 +172,11 @@ class Recipe:
                          plan.tokenizer.pad_token_id, run.device, run.autocast)
 
     def export(self) -> Path:
-        """final/: the method's export and the tokenizer, written aside and renamed into place."""
+        """final/: the method's export and the tokenizer, written aside and renamed into place (by rank 0)."""
         run_dir = self.plan.run_dir
+        if not self.main:
+            _barrier()
+            return run_dir / "final"
         final, tmp = run_dir / "final", run_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -155,6 +184,7 @@ class Recipe:
         self.plan.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _barrier()
         return final
 
     def cleanup(self) -> None:
@@ -169,7 +199,10 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         UserError: bad input (nothing written). TrainingDiverged: the loss became NaN/Inf.
     """
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
-    _open_run_dir(cfg, plan, restarts)
+    init_distributed(plan)
+    main = is_main_process()
+    if main:
+        _open_run_dir(cfg, plan, restarts)
     summary: dict = {"status": "running", "restarts": restarts}
     recipe = Recipe(cfg, plan, fault)
     try:
@@ -178,7 +211,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         recipe.train()
         recipe.cleanup()
         final = recipe.export()
-        if plan.eval_set is not None:
+        if plan.eval_set is not None and main:
             summary["eval_loss"] = recipe.eval_loss()
         summary.update(status="ok", steps=recipe.step, final_dir=str(final), stage=recipe.stage)
         return summary
@@ -190,8 +223,28 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         raise
     finally:
         recipe.cleanup()
-        with contextlib.suppress(Exception):
-            write_run_report(plan.run_dir, summary)
+        if main:
+            with contextlib.suppress(Exception):
+                write_run_report(plan.run_dir, summary)
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    """Wait for every rank (data-parallel only): around rank 0's checkpoint and final/ writes."""
+    if _world() > 1:
+        torch.distributed.barrier()
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    if _world() == 1:
+        return value
+    t = torch.tensor(value, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t)
 
 
 def _open_run_dir(cfg, plan, restarts: int) -> None:
@@ -220,7 +273,16 @@ def _truncate_metrics(path, step: int) -> None:
 
 
 def run(cfg, fault: Fault | None = None) -> dict:
-    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash."""
+    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash;
+    under torchrun, the process group is left at the end (`setup.init_distributed` joined it)."""
+    try:
+        return _run(cfg, fault)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run(cfg, fault: Fault | None) -> dict:
     from revffn.training.checkpoint import latest_checkpoint
     from revffn.training.config import TrainConfig
 

@@ -6,8 +6,10 @@ allocating once it returns.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ class RunPlan:
     tokenizer: object
     train_set: object
     eval_set: object | None
+    distributed: str = "none"  # "none" | "ddp" (`pick_distributed`)
 
 
 def _holds_run(run_dir: Path) -> bool:
@@ -81,12 +84,65 @@ def clear_run(run_dir: Path, keep_events: bool = False) -> None:
             p.unlink()
 
 
+DIST_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer (a rank died or hangs) raises instead
+
+
+def pick_distributed(cfg) -> str:
+    """"none" or "ddp": the `distributed` key, `auto` read from torchrun's environment. Refuses what DDP
+    cannot run exactly: a method that changes what trains or where its optimizer state lives per step
+    (`Method.DDP_OK`), parameters stepped in backward (the hooks would step before the all-reduce),
+    and restarts inside the process (torchrun restarts the ranks: `torchrun --max-restarts`)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.distributed == "ddp" and not launched:
+        raise UserError("distributed: ddp needs the processes torchrun starts (no RANK/WORLD_SIZE in the "
+                        "environment). Fix: torchrun --nproc-per-node N $(which revffn) train CONFIG "
+                        "distributed=ddp, or distributed=none for one process.")
+    if cfg.distributed == "none" and world > 1:
+        raise UserError(f"distributed: none, but torchrun started {world} processes, which would each train and "
+                        "write the same run. Fix: distributed=ddp (or auto), or --nproc-per-node 1.")
+    mode = "ddp" if cfg.distributed == "ddp" or (cfg.distributed == "auto" and world > 1) else "none"
+    if mode == "ddp":
+        method = method_class(cfg.method)
+        if not method.DDP_OK:
+            raise UserError(f"distributed: ddp cannot train method {cfg.method!r}: it changes the trained group and "
+                            "moves optimizer state every step. Fix: train it in one process (distributed=none, "
+                            "no torchrun), or choose another method.")
+        if cfg.optimizer_in_backward:
+            raise UserError("optimizer_in_backward: true steps each parameter in backward, before DDP all-reduces "
+                            "its gradient. Fix: optimizer_in_backward=false, or train in one process.")
+        if cfg.max_restarts:
+            raise UserError(f"max_restarts: {cfg.max_restarts} restarts the job inside one process; under torchrun "
+                            "the ranks restart together instead. Fix: max_restarts=0 and torchrun --max-restarts "
+                            "N with resume=true.")
+    return mode
+
+
+def init_distributed(plan) -> None:
+    """Join torchrun's process group (once per process): NCCL on CUDA, gloo on CPU, with a finite
+    timeout so a hung collective ends in an error."""
+    dist = torch.distributed
+    if plan.distributed == "none" or dist.is_initialized():
+        return
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    dist.init_process_group("nccl" if plan.device.type == "cuda" else "gloo", timeout=DIST_TIMEOUT)
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: the one that writes the run's files and shows the bar."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
-    """(device, weights dtype, autocast dtype): bf16 on CUDA, fp32 on CPU unless dtype says otherwise."""
+    """(device, weights dtype, autocast dtype): bf16 on CUDA, fp32 on CPU unless dtype says otherwise.
+    Under torchrun, CUDA is the rank's own device, `LOCAL_RANK`."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("device: cuda requested but no CUDA device is available. Fix: device=auto or device=cpu.")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
+    local = os.environ.get("LOCAL_RANK")
+    device = torch.device("cpu") if not cuda else torch.device("cuda", int(local)) if local else torch.device("cuda")
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     autocast = torch.bfloat16 if (cuda and dtype == "bfloat16") else None
@@ -120,6 +176,7 @@ def prepare_run(cfg) -> RunPlan:
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_resume(cfg, run_dir)
     check_output_dir(cfg, run_dir, resume_from)
+    distributed = pick_distributed(cfg)
     device, weights, autocast = pick_device(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = load_tokenizer(tokenizer_ref(cfg))
@@ -128,7 +185,7 @@ def prepare_run(cfg) -> RunPlan:
     if cfg.eval_data:
         eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,
                                     "eval_data")
-    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set)
+    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed)
 
 
 def model_overrides(cfg, tokenizer) -> dict:

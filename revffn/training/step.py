@@ -16,7 +16,19 @@ AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer st
     (optimizer_in_backward: each parameter was clipped and stepped by its gradient hook in backward)
 
 `n_total` counts the predicted tokens of all micro-batches, so accumulating gives the gradient of
-one big batch. Hooks let the bench measure inside the step without a copy of it: `forward_context`
+one big batch.
+
+Data-parallel (`Run.distributed`, torchrun): each rank steps its share of the global batch. The
+forward goes through a `DistributedDataParallel` wrapper of `run.model` (`DDPModel`, handed to
+`Method.forward`; everything else uses `run.model` itself), built at the first step and again
+whenever the set of parameters that require grad changes (RevFFN's stage boundary), since DDP
+registers only those at construction. `n_total` is all-reduced to the global count and each rank
+divides its token-loss sum by `n_total / world`: DDP's mean over ranks is then the gradient of the
+global batch, as one process would compute it. Micro-batches before the last skip the all-reduce
+(`no_sync`). `extra` and the router aux loss stay per rank (averaged over ranks, as they are over
+micro-batches). The step's `loss_sum` and token counts are global sums, on every rank.
+
+Hooks let the bench measure inside the step without a copy of it: `forward_context`
 wraps each forward (the saved-tensor log), `after_backward` runs before clipping (gradient bytes).
 """
 
@@ -30,7 +42,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
 from revffn.models.loading import load_hf
 from revffn.training.optim import InBackward, build_optimizer, set_lr
@@ -49,6 +63,22 @@ class Run:
     optimizer: torch.optim.Optimizer
     device: torch.device
     autocast: Callable[[], AbstractContextManager]  # a fresh autocast context per forward (none in fp32)
+    distributed: bool = False  # data-parallel over the torch.distributed process group
+    ddp: DistributedDataParallel | None = None  # the forward's wrapper of `model` (`_data_parallel`)
+    ddp_trainable: frozenset = frozenset()  # ids of the parameters `ddp` was built to reduce
+
+
+class DDPModel(DistributedDataParallel):
+    """DDP whose missing attributes are the wrapped model's (`model.hf`, `model.spec`, ...), so a
+    method's `forward` uses the wrapper as it would the model, and calling it syncs the gradients."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
 
 
 @dataclass
@@ -82,7 +112,24 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     params = method.optimizer_parameters(model)
     autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \
         else contextlib.nullcontext
-    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params), device, autocast)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params), device, autocast, distributed)
+
+
+def _data_parallel(run: Run) -> nn.Module:
+    """The module the step's forward calls: `run.model`, or data-parallel its DDP wrapper for the
+    parameters that require grad now. Every parameter that requires grad must get a gradient in
+    every backward (`find_unused_parameters=False`: with the reversible stack's nested backward,
+    the only exact setup); an MoE expert that got no token has one, zero, in the fused expert tensors.
+    The wrapper broadcasts rank 0's parameters and buffers when built: every rank holds the same."""
+    if not run.distributed:
+        return run.model
+    trainable = frozenset(id(p) for p in run.model.parameters() if p.requires_grad)
+    if run.ddp is None or trainable != run.ddp_trainable:
+        ids = [run.device.index] if run.device.type == "cuda" else None
+        run.ddp = DDPModel(run.model, device_ids=ids, find_unused_parameters=False)
+        run.ddp_trainable = trainable
+    return run.ddp
 
 
 def train_step(run: Run, step: int, micro_batches: list[dict],
@@ -101,20 +148,29 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
                cfg.warmup_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
     set_lr(optimizer, lr)
     micro_batches = method.step_batches(model, step, micro_batches)
+    forward_model, world = _data_parallel(run), data_shard()[1]
     n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
     n_inputs = sum(int(m["attention_mask"].sum()) for m in micro_batches)
+    if run.distributed:  # the global batch's counts
+        counts = torch.tensor([n_total, n_inputs], device=run.device)
+        torch.distributed.all_reduce(counts)
+        n_total, n_inputs = counts.tolist()
     loss_sum = torch.zeros((), device=run.device)
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
         mb = {k: v.to(run.device, non_blocking=True) for k, v in mb.items()}
-        with run.autocast(), forward_context():
-            out, extra = method.forward(model, mb, step)
-        loss = out.loss_sum / max(n_total, 1)
-        if extra is not None:
-            loss = loss + extra / len(micro_batches)
-        if out.aux_loss is not None and out.aux_loss.requires_grad:
-            loss = loss + model.aux_loss_coef * out.aux_loss / len(micro_batches)
-        loss.backward()
+        last = i + 1 == len(micro_batches)
+        with forward_model.no_sync() if run.distributed and not last else contextlib.nullcontext():
+            with run.autocast(), forward_context():
+                out, extra = method.forward(forward_model, mb, step)
+            loss = out.loss_sum / (max(n_total, 1) / world)
+            if extra is not None:
+                loss = loss + extra / len(micro_batches)
+            if out.aux_loss is not None and out.aux_loss.requires_grad:
+                loss = loss + model.aux_loss_coef * out.aux_loss / len(micro_batches)
+            loss.backward()
         loss_sum += out.loss_sum.detach().float()
+    if run.distributed:
+        torch.distributed.all_reduce(loss_sum)
     if after_backward is not None:
         after_backward()
     if isinstance(optimizer, InBackward):  # stepped and clipped per parameter during backward

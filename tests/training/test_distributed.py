@@ -1,0 +1,170 @@
+"""Data-parallel training (`distributed: ddp`, torchrun, gloo on CPU) equals one process on the same
+global batch; the reversible stack stays exact under DDP; bad input is refused before anything is written.
+
+The 2-rank runs train with per_device_train_batch_size 2; the reference, one process with 4: the same
+global batch of every step. Losses per step and the final weights must agree within 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from revffn.errors import UserError
+from revffn.training import loop
+from revffn.training.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}",
+        "data=builtin:quickstart_train", "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0",
+        "max_seq_length=32", "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0",
+        "adam_epsilon=1e-6"]  # AdamW's eps 1e-8 would amplify rounding in near-zero gradients to ~1e-5
+METHODS = {  # name: (options, the reference's per_device_train_batch_size, gradient_accumulation_steps)
+    # the router's load-balancing loss is a function of each rank's batch (as of each micro-batch):
+    # equal to one process on the global batch without it ...
+    "full": (["method=full", "router_aux_loss_coef=0"], 4, 1),
+    # ... and with it, to one process accumulating the ranks' halves as micro-batches
+    "full-aux": (["method=full"], 2, 2),
+    "lora": (["method=lora"], 4, 1),
+    # the stage boundary (adapters only -> joint) at step 2, inside the run: DDP is re-wrapped there
+    "revffn": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+                "revffn.adapter_init=coordinate"], 4, 1),
+    # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
+    "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
+                     "revffn.adapter_init=coordinate"], 4, 1),
+}
+OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods DDP trains (hift is refused): -m slow
+TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(out: Path, over: list[str], launch: tuple[str, ...] = ("-m", "revffn", "train"),
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """2 ranks on CPU (gloo); a hung collective would end at the subprocess timeout."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", *launch, *TINY, *over, f"output_dir={out}"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return {f"{f.name}:{k}": v for f in sorted((run_dir / "final").glob("*.safetensors"))
+            for k, v in load_file(f).items()}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", [*METHODS, *(pytest.param(m, marks=pytest.mark.slow) for m in OTHERS)])
+def test_ddp_equals_one_process(tmp_path, method):
+    options, per_device, accumulation = METHODS.get(method, ([f"method={method}", "router_aux_loss_coef=0"], 4, 1))
+    ddp = _torchrun(tmp_path / "ddp", [*options, "per_device_train_batch_size=2", "distributed=ddp", "save_steps=2"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert (tmp_path / "ddp" / "checkpoints" / "step-2").is_dir()  # rank 0's, between barriers
+    loop.run(load_config(None, [*TINY, *options, f"per_device_train_batch_size={per_device}",
+                                f"gradient_accumulation_steps={accumulation}", f"output_dir={tmp_path / 'one'}"]))
+    one_losses, ddp_losses = _losses(tmp_path / "one"), _losses(tmp_path / "ddp")
+    assert len(ddp_losses) == 4  # rank 0 alone wrote metrics.jsonl: one line per step
+    loss_diff = max(abs(a - b) for a, b in zip(one_losses, ddp_losses))
+    one_w, ddp_w = _weights(tmp_path / "one"), _weights(tmp_path / "ddp")
+    assert one_w.keys() == ddp_w.keys() and one_w
+    weight_diff = max((one_w[k] - ddp_w[k]).abs().max().item() for k in one_w)
+    print(f"{method}: max |loss diff| {loss_diff:.2e}, max |weight diff| {weight_diff:.2e}")
+    assert loss_diff < TOL and weight_diff < TOL
+    if method.startswith("revffn"):
+        stages = [json.loads(line)["stage"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+        assert stages == ["warmup" if method == "revffn" else "heal"] * 2 + ["joint"] * 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["full", "revffn"])
+def test_expert_without_tokens_on_one_rank(tmp_path, method):
+    """Expert 0 of every layer gets no token on rank 1 (tests/training/starved_expert_run.py): the run
+    neither hangs nor errors, and the ranks stay in step (rank 0 logged every step)."""
+    count = tmp_path / "starved"
+    r = _torchrun(tmp_path / "ddp", [*METHODS[method][0], "per_device_train_batch_size=2", "distributed=ddp",
+                                     "max_steps=3"],
+                  launch=(str(Path(__file__).with_name("starved_expert_run.py")),), env={"STARVED_OUT": str(count)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls, tokens = map(int, count.read_text().split())
+    assert calls > 0 and tokens == 0
+    assert len(_losses(tmp_path / "ddp")) == 3
+
+
+def test_parameters_are_not_inputs_of_the_reversible_function():
+    """The known-wrong DDP setup (every parameter an input of `RevStackFunction`: 'marked ready twice',
+    or with static_graph silently wrong gradients) is not used: the Function's backward node has edges
+    to the two streams and the anchor only, never to a parameter's AccumulateGrad."""
+    from revffn.models.convert import convert
+    from revffn.models.loading import load_hf
+
+    torch.manual_seed(0)
+    model = convert(load_hf("tiny-qwen2-moe", num_hidden_layers=2, hidden_size=64), adapter_init="coordinate")
+    ids = torch.randint(0, 100, (2, 8))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, return_logits=False)
+    params = {id(p) for p in model.parameters()}
+    seen, stack, found = set(), [out.loss_sum.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "RevStackFunctionBackward":
+            found.append(fn)
+        stack += [f for f, _ in fn.next_functions]
+    assert found, "the reversible stack did not run"
+    for fn in found:
+        assert len(fn.next_functions) == 3  # the tensor inputs: X_1, X_2 and the anchor
+        leaves = [f.variable for f, _ in fn.next_functions if type(f).__name__ == "AccumulateGrad"]
+        assert [v.numel() for v in leaves] == [0]  # the anchor alone
+        assert not any(id(v) in params for v in leaves)
+
+
+@pytest.mark.parametrize("over, env, needle", [
+    (["distributed=ddp"], {}, "distributed: ddp needs the processes torchrun starts"),
+    (["distributed=ddp", "method=hift"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot train method 'hift'"),
+    (["distributed=auto", "method=hift"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot train method 'hift'"),
+    (["distributed=ddp", "optimizer_in_backward=true"], {"RANK": "0", "WORLD_SIZE": "2"}, "optimizer_in_backward"),
+    (["distributed=ddp", "max_restarts=1"], {"RANK": "0", "WORLD_SIZE": "2"}, "max_restarts"),
+    (["distributed=none"], {"RANK": "0", "WORLD_SIZE": "2"}, "distributed: none"),
+])
+def test_bad_input(tmp_path, monkeypatch, over, env, needle):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="Fix:") as e:
+        loop.run(load_config(None, [*TINY, "method=full", *over, f"output_dir={out}"]))
+    assert needle in str(e.value)
+    assert not out.exists()
+    assert not torch.distributed.is_initialized()
+
+
+def test_unknown_strategy_is_a_config_error():
+    with pytest.raises(UserError, match="distributed"):
+        load_config(None, [*TINY, "distributed=fsdp", "output_dir=x"])
+
+
+def test_cli_exit_2_without_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-m", "revffn", "train", *TINY, "method=full", "distributed=ddp",
+                        f"output_dir={tmp_path / 'run'}"], env={**env, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "torchrun" in r.stderr
+    assert not (tmp_path / "run").exists()
