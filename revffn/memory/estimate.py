@@ -317,8 +317,8 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                      "(a vector per 1-D param), no first moment")
     else:
         states = trainable * OPTIMIZER_STATES[optimizer] * a  # torch AdamW keeps its states in the param dtype
+    largest = min(_largest_tensor(m), trainable)  # the one gradient held when they are freed as produced
     if in_backward:
-        largest = min(_largest_tensor(m), trainable)
         grads = largest * a
         notes.append(f"optimizer_in_backward: each parameter stepped and its gradient freed as soon as it is "
                      f"complete; at most one tensor's gradient is held ({largest / 1e6:.1f}M elements, the largest "
@@ -326,7 +326,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     if offload == "cpu":
         notes.append(f"offload cpu: {states / 2**30:.2f} GiB of optimizer states in host memory (not counted), "
                      "gradients moved to the host as produced (one tensor's on the device)")
-        states, grads = 0, min(_largest_tensor(m), trainable) * a
+        states, grads = 0, largest * a
     if s != 4:
         notes.append(f"{dtype}: {s}-byte weights and grads" + (
             f", {optimizer} states like the params" if optimizer in OPTIMIZER_STATES and offload != "cpu" else ""))

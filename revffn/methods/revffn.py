@@ -179,8 +179,9 @@ class RevFFNMethod(Method):
         the teacher the model's own frozen backbone in its original wiring. Joint stage with
         distill_coef > 0: the task's loss plus distill_coef x KL to the frozen copy, averaged over the
         batch's tokens. Otherwise the causal-LM loss."""
-        heal = self.stage(step) == "heal"
-        if not heal and not (self.opts["distill_coef"] > 0 and self.stage(step) == "joint"):
+        stage = self.stage(step)
+        heal = stage == "heal"
+        if not heal and not (self.opts["distill_coef"] > 0 and stage == "joint"):
             return model(**batch, return_logits=False), None
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         teacher = model if heal else self._teacher_on(model)

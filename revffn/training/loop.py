@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from revffn.data.collate import DataOrder, collate, shard_rows
+from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
@@ -229,8 +229,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
 
 
 def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return data_shard()[1]
 
 
 def _barrier() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
@@ -131,8 +132,7 @@ def init_distributed(plan) -> None:
 
 def is_main_process() -> bool:
     """Rank 0, or the only process: the one that writes the run's files and shows the bar."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return data_shard()[0] == 0
 
 
 def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:

@@ -1,12 +1,20 @@
-"""`decay_groups` / `build_optimizer`: no weight decay on 1-D parameters, every parameter exactly once."""
+"""`decay_groups` / `build_optimizer`: no weight decay on 1-D parameters, every parameter exactly once;
+the optimizer choices and the in-backward step, through the real training step."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
+from revffn.cli import main
 from revffn.training.config import load_config
-from revffn.training.optim import build_optimizer, decay_groups
+from revffn.training.optim import InBackward, build_optimizer, decay_groups
+from revffn.training.step import build_run, train_step
 
 
 def _params() -> list[nn.Parameter]:
@@ -36,12 +44,6 @@ def test_build_optimizer_takes_the_config():
 
 
 # -- optimizer_in_backward and the optimizer choices, through the real training step -----------------------
-import pytest  # noqa: E402
-
-from revffn.cli import main  # noqa: E402
-from revffn.training.optim import InBackward  # noqa: E402
-from revffn.training.step import build_run, train_step  # noqa: E402
-
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 3, hidden_size: 64, vocab_size: 500}",
         "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0", "weight_decay=0.01",
         "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=1", "revffn.heal_data=task"]
@@ -103,6 +105,18 @@ def test_in_backward_clips_each_parameter_by_its_share_of_the_norm(one_thread):
     assert clipped > 5  # the bound bit
 
 
+def _run_and_resume(args: list[str], tmp: Path) -> tuple[dict, dict]:
+    """Per-step losses of a 6-step run (`args`, checkpoint at step 3) and of a copy resumed from step 3."""
+    assert main([*args, f"output_dir={tmp / 'ref'}"]) == 0
+    shutil.copytree(tmp / "ref", tmp / "run")
+    assert main([*args, f"output_dir={tmp / 'run'}", "resume=true"]) == 0
+
+    def losses(d: Path) -> dict:
+        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
+
+    return losses(tmp / "ref"), losses(tmp / "run")
+
+
 @pytest.mark.parametrize("optimizer", ["adafactor", pytest.param("adamw8bit", marks=pytest.mark.integration),
                                        pytest.param("adamw4bit", marks=pytest.mark.integration)])
 @pytest.mark.parametrize("in_backward", [False, True])
@@ -116,17 +130,7 @@ def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, o
             "learning_rate=" + ("3e-2" if optimizer == "adafactor" else "1e-3"), "logging_steps=1",
             "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=2",
             "revffn.heal_data=task", f"optimizer={optimizer}", f"optimizer_in_backward={str(in_backward).lower()}"]
-    assert main([*args, f"output_dir={tmp_path / 'ref'}"]) == 0
-    import json
-    import shutil
-
-    shutil.copytree(tmp_path / "ref", tmp_path / "run")
-    assert main([*args, f"output_dir={tmp_path / 'run'}", "resume=true"]) == 0
-
-    def losses(d):
-        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
-
-    ref, resumed = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    ref, resumed = _run_and_resume(args, tmp_path)
     assert ref[6] < ref[1]
     for s in range(1, 7):
         assert abs(resumed[s] - ref[s]) <= 1e-6, (s, resumed[s], ref[s])
@@ -169,20 +173,10 @@ def test_bf16_stochastic_rounding_trains_and_resumes(tmp_path, one_thread):
     """bf16 weights with torchao's stochastic rounding: the loss falls, and a resumed run reproduces the
     uninterrupted one (the rounding draws from the generator state the checkpoint restores)."""
     pytest.importorskip("torchao")
-    import json
-    import shutil
-
     args = ["train", "model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}", "method=full",
             "data=builtin:quickstart_train", "eval_data=null", "max_steps=6", "save_steps=3", "logging_steps=1",
             "per_device_train_batch_size=4", "max_seq_length=32", "dtype=bfloat16", "device=cpu",
             "learning_rate=1e-3", "bf16_stochastic_round=true"]
-    assert main([*args, f"output_dir={tmp_path / 'ref'}"]) == 0
-    shutil.copytree(tmp_path / "ref", tmp_path / "run")
-    assert main([*args, f"output_dir={tmp_path / 'run'}", "resume=true"]) == 0
-
-    def losses(d):
-        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
-
-    ref, resumed = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    ref, resumed = _run_and_resume(args, tmp_path)
     assert ref[6] < ref[1]
     assert all(abs(resumed[s] - ref[s]) <= 1e-6 for s in range(1, 7)), (resumed, ref)
