@@ -84,3 +84,9 @@ def test_task_data_as_calibration_text_warns(tmp_path, capsys):
                  "revffn.adapter_init=calibrated", "revffn.calibration_data=builtin:commas_train",
                  "revffn.calibration_tokens=256"]) == 0
     assert "warning: revffn.calibration_data='builtin:commas_train' is this run's task data" in capsys.readouterr().err
+
+
+def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"]) == 2
+    assert "--heal-hidden-coef" in capsys.readouterr().err and not out.exists()
