@@ -44,10 +44,11 @@ class Method:
     # `optimizer_in_backward`: the loop may step each parameter from its gradient hook (False: the method
     # moves or reads optimizer state itself between steps, e.g. HiFT)
     OPTIMIZER_IN_BACKWARD: ClassVar[bool] = True
-    # `distributed: ddp`: the method trains the same parameters on every rank, with optimizer state where
-    # the parameters are (False: e.g. HiFT moves optimizer state between devices and changes the trained
-    # group every step, which a DistributedDataParallel wrapper does not follow)
-    DDP_OK: ClassVar[bool] = True
+    # the data-parallel strategies (`distributed`) that train the method exactly: it trains the same
+    # parameters on every rank, with optimizer state where the parameters are. HiFT (none) moves
+    # optimizer state between devices and changes the trained group every step; DISTRIBUTED_NOTE says why
+    DISTRIBUTED: ClassVar[tuple[str, ...]] = ("ddp", "fsdp")
+    DISTRIBUTED_NOTE: ClassVar[str] = ""
 
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)
@@ -70,6 +71,14 @@ class Method:
         raise NotImplementedError
 
     # -- optional, with defaults --------------------------------------------------------------
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """`distributed: fsdp`: the modules FSDP2 shards one by one (each all-gathered only while it
+        runs), innermost first; the rest of the model goes to the root. They must be called through
+        `__call__` (FSDP2's hooks). Default: the HF decoder layers (`_no_split_modules`, the classes
+        HF names as its sharding units), wherever the method's wrappers put them."""
+        names = set(getattr(model.hf if hasattr(model, "hf") else model, "_no_split_modules", None) or ())
+        return [m for m in model.modules() if type(m).__name__ in names]
+
     def set_trainable(self, model: nn.Module, step: int, optimizer=None) -> str:
         """Set requires_grad for `step` (0-based) and return the stage name to log. May also move
         optimizer state between devices (HiFT keeps only the active group's on the device).
@@ -88,8 +97,9 @@ class Method:
         scalar loss already averaged over this micro-batch (train_step divides it by the number of
         micro-batches). Default: the model's causal-LM loss, nothing extra.
 
-        Data-parallel, `model` is the `DistributedDataParallel` wrapper (`training.step.DDPModel`):
-        calling it is what all-reduces the gradients; its attributes are the wrapped model's."""
+        Under `distributed: ddp`, `model` is the `DistributedDataParallel` wrapper
+        (`training.parallel.DDPModel`): calling it is what all-reduces the gradients; its attributes
+        are the wrapped model's. Under `fsdp`, the sharded model itself (its root is all-gathered)."""
         return model(**batch, return_logits=False), None
 
     def schedule_position(self, step: int) -> int:

@@ -52,7 +52,8 @@ STRATEGIES = {"bottom2up": "bottom2up", "down2up": "bottom2up", "top2down": "top
 class HiFTMethod(Method):
     name = "hift"
     OPTIMIZER_IN_BACKWARD = False  # moves the idle groups' optimizer state off the device between steps
-    DDP_OK = False  # a different group trains every step: DDP would need a new wrapper per step
+    DISTRIBUTED = ()
+    DISTRIBUTED_NOTE = "a different group trains every step, its optimizer state moved to the device and back"
     SCHEMA = {
         "strategy": Key(str, "bottom2up", "group visiting order (down2up/up2down are aliases)",
                         choices=tuple(STRATEGIES)),

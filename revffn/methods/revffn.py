@@ -146,6 +146,13 @@ class RevFFNMethod(Method):
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         return model
 
+    def fsdp_units(self, model) -> list[nn.Module]:
+        """What F and G call, one by one: the adapters and the decoder layer's own modules (attention,
+        MoE, norms). Not the decoder layer itself: the reversible blocks never call it whole (only the
+        heal's teacher does, and its children's hooks gather them there too)."""
+        return [m for block in model.blocks for m in (block.p_up_attn, block.p_down_attn, block.p_up_moe,
+                                                       block.p_down_moe, *block.base_layer.children())]
+
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return non_router_parameters(model, self.opts["freeze_router"])
 

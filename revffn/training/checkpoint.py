@@ -3,9 +3,15 @@
     checkpoints/step-N/
         model.safetensors     every parameter (safetensors: no pickled code)
         optimizer.pt          AdamW state (tensors and numbers only: loads with weights_only=True)
+        dcp/                  instead of those two under FSDP: every rank's shards of both (DCP)
         rng.pt                CPU and CUDA RNG states
         trainer_state.json    step, data order position, method state (stage, queues), restarts
         config.yaml           the resolved config of the run
+
+Under FSDP (`sharded=True`) the model and optimizer are saved by every rank, each its shards, with
+torch.distributed.checkpoint (DCP) in `dcp/` instead of model.safetensors and optimizer.pt. DCP
+reshards on load: such a checkpoint resumes on any number of processes, one included, under any
+strategy.
 
 A checkpoint is written to `checkpoints/.tmp-step-N` and renamed into place, so `step-N` exists
 only when complete; a `kill -9` mid-write leaves a `.tmp-*` that is ignored and cleaned up.
@@ -20,11 +26,20 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from revffn.errors import UserError
+from revffn.training.parallel import barrier, is_main_process
 
 _STEP = re.compile(r"^step-(\d+)$")
+DCP_DIR = "dcp"  # a sharded checkpoint's model and optimizer (torch.distributed.checkpoint)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -55,26 +70,47 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, config_text: str,
-                    keep: int, fault=None) -> Path:
-    """Write checkpoints/step-{step} atomically, then delete all but the newest `keep`."""
+                    keep: int, fault=None, sharded: bool = False) -> Path:
+    """Write checkpoints/step-{step} atomically, then delete all but the newest `keep`. Called by the
+    one process that holds the whole model, or with `sharded` by every rank (rank 0 does the rest)."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    main = is_main_process()
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if sharded:
+        barrier()  # tmp exists before any rank writes into it
+        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
+    else:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if fault is not None:
         fault("save", step)  # tests: die in the middle of a checkpoint write
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-    (tmp / "config.yaml").write_text(config_text)
-    if final.exists():  # a re-run of the same step after a restart
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in checkpoint_dirs(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if sharded:
+        barrier()  # every shard written
+    if main:
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "config.yaml").write_text(config_text)
+        if final.exists():  # a re-run of the same step after a restart
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _dcp_state(model, optimizer) -> dict:
+    """{"model", "optimizer"} state dicts keyed by parameter name, as DCP saves and loads them
+    (sharded or whole: `get_state_dict` reads either)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (Path(path) / DCP_DIR).is_dir()
 
 
 def clean_partial(run_dir: Path) -> None:
@@ -96,7 +132,19 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Restore model, optimizer and RNG from `path`; returns the trainer state."""
     path = Path(path)
     state = read_trainer_state(path)
-    load_model(model, str(path / "model.safetensors"))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    if is_sharded_checkpoint(path):
+        loaded = _dcp_state(model, optimizer)
+        saved = dcp.FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+        # `get_state_dict` gives every parameter that requires grad an optimizer state to load into;
+        # the checkpoint holds those of the parameters trained so far (RevFFN's stage 1: the adapters)
+        states = loaded["optimizer"]["state"]
+        for name in [n for n in states if not any(k.startswith(f"optimizer.state.{n}.") for k in saved)]:
+            del states[name]
+        dcp.load(loaded, checkpoint_id=str(path / DCP_DIR))
+        set_model_state_dict(model, loaded["model"])
+        set_optimizer_state_dict(model, optimizer, loaded["optimizer"], options=StateDictOptions(strict=False))
+    else:
+        load_model(model, str(path / "model.safetensors"))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return state

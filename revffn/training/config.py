@@ -39,6 +39,9 @@ SCHEMA: dict[str, Key] = {
     "max_restarts": Key(int, 0, "restart from the last checkpoint after an unexpected crash, up to N times", min=0),
     "per_device_train_batch_size": Key(int, 4, "examples per micro-batch", min=1),
     "gradient_accumulation_steps": Key(int, 1, "micro-batches per optimizer step", min=1),
+    "global_batch_size": Key((int, type(None)), None, "examples per optimizer step over all processes (null: "
+                             "per_device_train_batch_size x processes x gradient_accumulation_steps); set, the "
+                             "accumulation is derived, so the batch stays the same on any number of GPUs", min=1),
     "learning_rate": Key(float, 1e-4, "peak learning rate", min=0, min_exclusive=True),
     "lr_scheduler_type": Key(str, "cosine", "learning-rate schedule after warmup",
                              choices=("cosine", "constant", "linear")),
@@ -64,7 +67,10 @@ SCHEMA: dict[str, Key] = {
                  choices=("auto", "float32", "bfloat16")),
     "device": Key(str, "auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda")),
     "distributed": Key(str, "auto", "auto (ddp when launched by torchrun with WORLD_SIZE > 1) | none | ddp "
-                       "(DistributedDataParallel)", choices=("auto", "none", "ddp")),
+                       "(DistributedDataParallel) | fsdp (FSDP2: parameters, gradients, optimizer state sharded)",
+                       choices=("auto", "none", "ddp", "fsdp")),
+    "distributed_timeout": Key(int, 1800, "seconds a collective waits for the other ranks before the run fails "
+                               "(a dead or hung rank)", min=1),
     "router_aux_loss_coef": Key((float, type(None)), None, "router load-balancing loss weight (null: model's)",
                                 min=0),
     "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)"),

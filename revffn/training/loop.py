@@ -8,10 +8,13 @@ open metrics.jsonl and the progress bar) -> `Recipe.train` (the step loop: `trai
 metrics line, an eval and a checkpoint on their cadence) -> `Recipe.export` (final/) -> report.
 The metrics file and the bar are closed, and the report written, on every path, errors included.
 
-Under torchrun (`distributed: ddp`) every rank runs this loop on its share of each global batch
-(`data.collate.shard_rows`); rank 0 alone writes the run's files (config.yaml, metrics.jsonl,
-checkpoints, final/, the report) and shows the bar. Each rank holds the whole model and optimizer,
-so rank 0's ordinary checkpoint is the run's. Peak memory is the max over ranks.
+Under torchrun (`distributed: ddp | fsdp`, `training.parallel`) every rank runs this loop on its
+share of each global batch (`data.collate.shard_rows`); rank 0 alone writes the run's files
+(config.yaml, metrics.jsonl, final/, the report) and shows the bar. Under DDP each rank holds the
+whole model and optimizer, so rank 0's ordinary checkpoint is the run's; under FSDP every rank
+writes its shards of a DCP checkpoint, evaluates with the others, and takes part in gathering the
+model that rank 0 exports. Peak memory is the max over ranks. A job torchrun restarts
+(`--max-restarts`) resumes from the last checkpoint (`setup.resolve_launch`).
 """
 
 from __future__ import annotations
@@ -35,15 +38,17 @@ from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
 from revffn.training.evaluate import eval_loss
-from revffn.training.report import write_run_report
-from revffn.training.setup import (
-    clear_run,
+from revffn.training.parallel import (
+    CollectiveTimeout,
+    barrier,
+    gather_full,
     init_distributed,
     is_main_process,
-    model_overrides,
-    prepare_run,
-    saved_config_text,
+    is_timeout,
+    max_over_ranks,
 )
+from revffn.training.report import write_run_report
+from revffn.training.setup import clear_run, model_overrides, prepare_run, resolve_launch, saved_config_text
 from revffn.training.step import StepResult, build_run, train_step
 
 Fault = Callable[[str, int], None]
@@ -77,7 +82,8 @@ class Recipe:
     def setup(self) -> None:
         cfg, plan = self.cfg, self.plan
         self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
-                             model_config=model_overrides(cfg, plan.tokenizer))
+                             model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed)
+        self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
         self.order = DataOrder(len(plan.train_set.items), cfg.seed)
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
@@ -120,7 +126,7 @@ class Recipe:
     def _micro_batches(self) -> list[dict]:
         """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order: this
         rank's share of each global micro-batch of `per_device_train_batch_size x world` items."""
-        items, bsz, world = self.plan.train_set.items, self.cfg.per_device_train_batch_size, _world()
+        items, bsz, world = self.plan.train_set.items, self.cfg.per_device_train_batch_size, data_shard()[1]
         return [collate([items[i] for i in shard_rows(self.order.next_indices(bsz * world), bsz)],
                         self.plan.tokenizer.pad_token_id)
                 for _ in range(self.cfg.gradient_accumulation_steps)]
@@ -136,7 +142,10 @@ class Recipe:
                                    "raise warmup_steps, or set max_grad_norm.")
         rec = {"step": step, "stage": self.stage, "loss": train_loss, "lr": result.lr,
                "grad_norm": float(result.grad_norm), "tokens_per_s": w.seen_tokens / dt,
-               "peak_mem_bytes": _max_over_ranks(peak_memory_bytes(run.device), run.device)}
+               "peak_mem_bytes": max_over_ranks(peak_memory_bytes(run.device), run.device)}
+        if self.plan.eval_set is not None and self.cfg.eval_steps and step % self.cfg.eval_steps == 0 \
+                and (self.main or self.sharded):
+            rec["eval_loss"] = self.eval_loss()
         if result.aux_loss is not None:
             rec["aux_loss"] = float(result.aux_loss)
         rec.update(run.method.log_metrics(run.model, run.optimizer))
@@ -145,10 +154,7 @@ class Recipe:
         self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
 
     def _write(self, rec: dict, train_loss: float) -> None:
-        """Rank 0: the line (with eval_loss on its cadence) to metrics.jsonl, and the bar's postfix."""
-        cfg, step = self.cfg, self.step
-        if self.plan.eval_set is not None and cfg.eval_steps and step % cfg.eval_steps == 0:
-            rec["eval_loss"] = self.eval_loss()
+        """Rank 0: the line to metrics.jsonl, and the bar's postfix."""
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.bar.set_postfix(loss=f"{train_loss:.3f}", stage=self.stage, tok_s=f"{rec['tokens_per_s']:.0f}",
@@ -160,11 +166,11 @@ class Recipe:
         cfg, run = self.cfg, self.run
         state = {"step": self.step, "data_order": self.order.state_dict(), "method_state": run.method.state_dict(),
                  "model": cfg.model, "method": cfg.method, "stage": self.stage}
-        _barrier()
-        if self.main:
+        barrier()
+        if self.main or self.sharded:
             save_checkpoint(self.plan.run_dir, self.step, run.model, run.optimizer, state, saved_config_text(cfg),
-                            cfg.save_total_limit, self.fault)
-        _barrier()
+                            cfg.save_total_limit, self.fault, sharded=self.sharded)
+        barrier()
 
     def eval_loss(self) -> float:
         plan, run = self.plan, self.run
@@ -172,10 +178,13 @@ class Recipe:
                          plan.tokenizer.pad_token_id, run.device, run.autocast)
 
     def export(self) -> Path:
-        """final/: the method's export and the tokenizer, written aside and renamed into place (by rank 0)."""
+        """final/: the method's export and the tokenizer, written aside and renamed into place (by rank 0;
+        under FSDP the ranks first gather the model onto rank 0's host)."""
         run_dir = self.plan.run_dir
+        if self.sharded:
+            gather_full(self.run.model, keep=self.main)
         if not self.main:
-            _barrier()
+            barrier()
             return run_dir / "final"
         final, tmp = run_dir / "final", run_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,7 +193,7 @@ class Recipe:
         self.plan.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _barrier()
+        barrier()
         return final
 
     def cleanup(self) -> None:
@@ -198,8 +207,9 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
     Raises:
         UserError: bad input (nothing written). TrainingDiverged: the loss became NaN/Inf.
     """
+    cfg = resolve_launch(cfg)
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
-    init_distributed(plan)
+    init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     main = is_main_process()
     if main:
         _open_run_dir(cfg, plan, restarts)
@@ -210,9 +220,9 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(plan.device))
         recipe.train()
         recipe.cleanup()
-        final = recipe.export()
-        if plan.eval_set is not None and main:
+        if plan.eval_set is not None and (main or recipe.sharded):
             summary["eval_loss"] = recipe.eval_loss()
+        final = recipe.export()
         summary.update(status="ok", steps=recipe.step, final_dir=str(final), stage=recipe.stage)
         return summary
     except TrainingDiverged as e:
@@ -226,24 +236,6 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         if main:
             with contextlib.suppress(Exception):
                 write_run_report(plan.run_dir, summary)
-
-
-def _world() -> int:
-    return data_shard()[1]
-
-
-def _barrier() -> None:
-    """Wait for every rank (data-parallel only): around rank 0's checkpoint and final/ writes."""
-    if _world() > 1:
-        torch.distributed.barrier()
-
-
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    if _world() == 1:
-        return value
-    t = torch.tensor(value, dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t)
 
 
 def _open_run_dir(cfg, plan, restarts: int) -> None:
@@ -273,19 +265,43 @@ def _truncate_metrics(path, step: int) -> None:
 
 def run(cfg, fault: Fault | None = None) -> dict:
     """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash;
-    under torchrun, the process group is left at the end (`setup.init_distributed` joined it)."""
+    under torchrun, the process group is left at the end (`parallel.init_distributed` joined it), and
+    a collective that gave up waiting for the other ranks ends the run with `CollectiveTimeout`."""
     try:
         return _run(cfg, fault)
+    except RuntimeError as e:
+        if data_shard()[1] > 1 and is_timeout(e):
+            raise CollectiveTimeout(
+                f"rank {data_shard()[0]}: a collective waited more than distributed_timeout={cfg.distributed_timeout}s "
+                f"for the other ranks: one of them died or hangs. Fix: see the other ranks' errors above; raise "
+                f"distributed_timeout if a step (or a checkpoint write) legitimately takes longer. ({e})") from e
+        raise
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _run(cfg, fault: Fault | None) -> dict:
+def _log_restart(run_dir: Path, restart: int, error: str, max_restarts: int | None = None) -> Path | None:
+    """An event line and a message for a restart; returns the checkpoint it resumes from (None: none)."""
     from revffn.training.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    event = {"event": "restart", "restart": restart, "max_restarts": max_restarts, "error": error,
+             "from_step": int(ckpt.name.split("-")[1]) if ckpt else 0}
+    if run_dir.is_dir():
+        with open(run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+    print(f"revffn train: restart {restart}{f'/{max_restarts}' if max_restarts else ''} after {error} "
+          f"(from step {event['from_step']})", file=sys.stderr)
+    return ckpt
+
+
+def _run(cfg, fault: Fault | None) -> dict:
     from revffn.training.config import TrainConfig
 
-    restarts = 0
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts
+    if restarts and os.environ.get("RANK", "0") == "0":  # before the process group: rank 0 alone
+        _log_restart(Path(cfg.output_dir), restarts, "torchrun restarted the job")
     while True:
         try:
             return train(cfg, restarts, fault)
@@ -295,13 +311,6 @@ def _run(cfg, fault: Fault | None) -> dict:
             if restarts >= cfg.max_restarts:
                 raise
             restarts += 1
-            run_dir = Path(cfg.output_dir)
-            ckpt = latest_checkpoint(run_dir)
-            event = {"event": "restart", "restart": restarts, "max_restarts": cfg.max_restarts,
-                     "error": f"{type(e).__name__}: {e}", "from_step": int(ckpt.name.split("-")[1]) if ckpt else 0}
-            with open(run_dir / "events.jsonl", "a") as f:
-                f.write(json.dumps(event) + "\n")
-            print(f"revffn train: restart {restarts}/{cfg.max_restarts} after {event['error']} "
-                  f"(from step {event['from_step']})", file=sys.stderr)
+            ckpt = _log_restart(Path(cfg.output_dir), restarts, f"{type(e).__name__}: {e}", cfg.max_restarts)
             values = dict(cfg.values, resume=bool(ckpt), overwrite=not ckpt)
             cfg = TrainConfig(values, cfg.sections, cfg.source)

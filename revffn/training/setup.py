@@ -9,19 +9,18 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import yaml
 
-from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
-from revffn.training.checkpoint import latest_checkpoint, read_trainer_state
+from revffn.training.checkpoint import is_sharded_checkpoint, latest_checkpoint, read_trainer_state
 from revffn.training.optim import check_optimizer
+from revffn.training.parallel import launched_world, pick_distributed
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
              "events.jsonl")
@@ -37,7 +36,7 @@ class RunPlan:
     tokenizer: object
     train_set: object
     eval_set: object | None
-    distributed: str = "none"  # "none" | "ddp" (`pick_distributed`)
+    distributed: str = "none"  # "none" | "ddp" | "fsdp" (`parallel.pick_distributed`)
 
 
 def _holds_run(run_dir: Path) -> bool:
@@ -85,54 +84,29 @@ def clear_run(run_dir: Path, keep_events: bool = False) -> None:
             p.unlink()
 
 
-DIST_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer (a rank died or hangs) raises instead
+def resolve_launch(cfg):
+    """The config as this launch runs it. `global_batch_size` sets gradient_accumulation_steps for the
+    number of processes; a job torchrun restarted (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0)
+    resumes from the last complete checkpoint, or starts over where there is none, as an in-process
+    restart does (`max_restarts`)."""
+    from revffn.training.config import TrainConfig
 
-
-def pick_distributed(cfg) -> str:
-    """"none" or "ddp": the `distributed` key, `auto` read from torchrun's environment. Refuses what DDP
-    cannot run exactly: a method that changes what trains or where its optimizer state lives per step
-    (`Method.DDP_OK`), parameters stepped in backward (the hooks would step before the all-reduce),
-    and restarts inside the process (torchrun restarts the ranks: `torchrun --max-restarts`)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if cfg.distributed == "ddp" and not launched:
-        raise UserError("distributed: ddp needs the processes torchrun starts (no RANK/WORLD_SIZE in the "
-                        "environment). Fix: torchrun --nproc-per-node N $(which revffn) train CONFIG "
-                        "distributed=ddp, or distributed=none for one process.")
-    if cfg.distributed == "none" and world > 1:
-        raise UserError(f"distributed: none, but torchrun started {world} processes, which would each train and "
-                        "write the same run. Fix: distributed=ddp (or auto), or --nproc-per-node 1.")
-    mode = "ddp" if cfg.distributed == "ddp" or (cfg.distributed == "auto" and world > 1) else "none"
-    if mode == "ddp":
-        method = method_class(cfg.method)
-        if not method.DDP_OK:
-            raise UserError(f"distributed: ddp cannot train method {cfg.method!r}: it changes the trained group and "
-                            "moves optimizer state every step. Fix: train it in one process (distributed=none, "
-                            "no torchrun), or choose another method.")
-        if cfg.optimizer_in_backward:
-            raise UserError("optimizer_in_backward: true steps each parameter in backward, before DDP all-reduces "
-                            "its gradient. Fix: optimizer_in_backward=false, or train in one process.")
-        if cfg.max_restarts:
-            raise UserError(f"max_restarts: {cfg.max_restarts} restarts the job inside one process; under torchrun "
-                            "the ranks restart together instead. Fix: max_restarts=0 and torchrun --max-restarts "
-                            "N with resume=true.")
-    return mode
-
-
-def init_distributed(plan) -> None:
-    """Join torchrun's process group (once per process): NCCL on CUDA, gloo on CPU, with a finite
-    timeout so a hung collective ends in an error."""
-    dist = torch.distributed
-    if plan.distributed == "none" or dist.is_initialized():
-        return
-    if plan.device.type == "cuda":
-        torch.cuda.set_device(plan.device)
-    dist.init_process_group("nccl" if plan.device.type == "cuda" else "gloo", timeout=DIST_TIMEOUT)
-
-
-def is_main_process() -> bool:
-    """Rank 0, or the only process: the one that writes the run's files and shows the bar."""
-    return data_shard()[0] == 0
+    values, world = dict(cfg.values), launched_world()
+    if cfg.global_batch_size is not None:
+        per_step = cfg.per_device_train_batch_size * world
+        if cfg.gradient_accumulation_steps != 1:
+            raise UserError(f"global_batch_size: {cfg.global_batch_size} and gradient_accumulation_steps: "
+                            f"{cfg.gradient_accumulation_steps} both set the batch. Fix: keep one of them.")
+        if cfg.global_batch_size % per_step:
+            raise UserError(f"global_batch_size: {cfg.global_batch_size} is not a multiple of "
+                            f"per_device_train_batch_size {cfg.per_device_train_batch_size} x {world} processes = "
+                            f"{per_step}. Fix: a global_batch_size that is a multiple of {per_step}, another "
+                            "per_device_train_batch_size, or a number of processes that divides it.")
+        values["gradient_accumulation_steps"] = cfg.global_batch_size // per_step
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and cfg.resume is False:
+        ckpt = latest_checkpoint(Path(cfg.output_dir))
+        values.update(resume=bool(ckpt), overwrite=cfg.overwrite or not ckpt)
+    return cfg if values == cfg.values else TrainConfig(values, cfg.sections, cfg.source)
 
 
 def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
@@ -177,6 +151,9 @@ def prepare_run(cfg) -> RunPlan:
     resume_from = resolve_resume(cfg, run_dir)
     check_output_dir(cfg, run_dir, resume_from)
     distributed = pick_distributed(cfg)
+    if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
+        raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
+                        "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
     device, weights, autocast = pick_device(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = load_tokenizer(tokenizer_ref(cfg))

@@ -18,15 +18,17 @@ AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer st
 `n_total` counts the predicted tokens of all micro-batches, so accumulating gives the gradient of
 one big batch.
 
-Data-parallel (`Run.distributed`, torchrun): each rank steps its share of the global batch. The
-forward goes through a `DistributedDataParallel` wrapper of `run.model` (`DDPModel`, handed to
-`Method.forward`; everything else uses `run.model` itself), built at the first step and again
-whenever the set of parameters that require grad changes (RevFFN's stage boundary), since DDP
-registers only those at construction. `n_total` is all-reduced to the global count and each rank
-divides its token-loss sum by `n_total / world`: DDP's mean over ranks is then the gradient of the
-global batch, as one process would compute it. Micro-batches before the last skip the all-reduce
-(`no_sync`). `extra` and the router aux loss stay per rank (averaged over ranks, as they are over
-micro-batches). The step's `loss_sum` and token counts are global sums, on every rank.
+Data-parallel (`Run.strategy`, torchrun, `training.parallel`): each rank steps its share of the
+global batch. Under DDP the forward goes through a `DistributedDataParallel` wrapper of `run.model`
+(`forward_module`, handed to `Method.forward`; everything else uses `run.model` itself), built at
+the first step and again whenever the set of parameters that require grad changes (RevFFN's stage
+boundary), since DDP registers only those at construction; micro-batches before the last skip the
+all-reduce (`no_sync`). Under FSDP `run.model` is sharded (`parallel.shard_model`, before the
+optimizer is built over the shards) and each unit reduce-scatters its gradients after its backward.
+Both average the gradients over ranks: `n_total` is all-reduced to the global count and each rank
+divides its token-loss sum by `n_total / world`, so the average is the gradient of the global batch,
+as one process would compute it. `extra` and the router aux loss stay per rank (averaged over ranks,
+as they are over micro-batches). The step's `loss_sum` and token counts are global sums, on every rank.
 
 Hooks let the bench measure inside the step without a copy of it: `forward_context`
 wraps each forward (the saved-tensor log), `after_backward` runs before clipping (gradient bytes).
@@ -42,12 +44,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
 from revffn.models.loading import load_hf
 from revffn.training.optim import InBackward, build_optimizer, set_lr
+from revffn.training.parallel import DDPModel, shard_model, unshard_root
 from revffn.training.schedule import lr_at
 
 
@@ -63,22 +65,13 @@ class Run:
     optimizer: torch.optim.Optimizer
     device: torch.device
     autocast: Callable[[], AbstractContextManager]  # a fresh autocast context per forward (none in fp32)
-    distributed: bool = False  # data-parallel over the torch.distributed process group
-    ddp: DistributedDataParallel | None = None  # the forward's wrapper of `model` (`_data_parallel`)
+    strategy: str = "none"  # "none" | "ddp" | "fsdp": data-parallel over the torch.distributed group
+    ddp: DDPModel | None = None  # the forward's wrapper of `model` under DDP (`forward_module`)
     ddp_trainable: frozenset = frozenset()  # ids of the parameters `ddp` was built to reduce
 
-
-class DDPModel(DistributedDataParallel):
-    """DDP whose missing attributes are the wrapped model's (`model.hf`, `model.spec`, ...), so a
-    method's `forward` uses the wrapper as it would the model, and calling it syncs the gradients."""
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "none"
 
 
 @dataclass
@@ -94,35 +87,44 @@ class StepResult:
 
 def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.float32,
               autocast_dtype: torch.dtype | None = None, hf: nn.Module | None = None,
-              model_config: dict | None = None) -> Run:
+              model_config: dict | None = None, strategy: str | None = None) -> Run:
     """Seed, build the HF model (unless given), prepare it with the method, build the optimizer.
 
     Args:
         hf: the HF model to fine-tune; None loads `cfg.model` as training does (`load_hf`).
         model_config: HF config overrides for that load (default `cfg.model_config`; the loop adds
             the tokenizer's vocabulary for tiny presets, see `setup.model_overrides`).
+        strategy: "none", "ddp" or "fsdp" (`parallel.pick_distributed`); None: ddp when a process
+            group is up, else none.
     """
     torch.manual_seed(cfg.seed)
     if hf is None:
         overrides = cfg.model_config if model_config is None else model_config
         hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
+    if strategy is None:
+        strategy = "ddp" if torch.distributed.is_available() and torch.distributed.is_initialized() else "none"
     method = method_class(cfg.method)(cfg)
-    model = method.prepare(hf).to(device)
+    model = method.prepare(hf)
+    if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
+        shard_model(model, method.fsdp_units(model), device)
+    model = model.to(device)
     model.train()
     params = method.optimizer_parameters(model)
     autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \
         else contextlib.nullcontext
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params), device, autocast, distributed)
+    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params), device, autocast, strategy)
 
 
-def _data_parallel(run: Run) -> nn.Module:
-    """The module the step's forward calls: `run.model`, or data-parallel its DDP wrapper for the
-    parameters that require grad now. Every parameter that requires grad must get a gradient in
-    every backward (`find_unused_parameters=False`: with the reversible stack's nested backward,
-    the only exact setup); an MoE expert that got no token has one, zero, in the fused expert tensors.
-    The wrapper broadcasts rank 0's parameters and buffers when built: every rank holds the same."""
-    if not run.distributed:
+def forward_module(run: Run) -> nn.Module:
+    """The module the step's forward calls: `run.model`, or under DDP its wrapper for the parameters
+    that require grad now. Every parameter that requires grad must get a gradient in every backward
+    (`find_unused_parameters=False`: with the reversible stack's nested backward, the only exact
+    setup); an MoE expert that got no token has one, zero, in the fused expert tensors. The wrapper
+    broadcasts rank 0's parameters and buffers when built: every rank holds the same. Under FSDP the
+    root is all-gathered first (`parallel.unshard_root`)."""
+    if run.strategy == "fsdp":
+        unshard_root(run.model)
+    if run.strategy != "ddp":
         return run.model
     trainable = frozenset(id(p) for p in run.model.parameters() if p.requires_grad)
     if run.ddp is None or trainable != run.ddp_trainable:
@@ -147,8 +149,8 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
     lr = lr_at(method.schedule_position(step), method.schedule_length(cfg.max_steps), cfg.learning_rate,
                cfg.warmup_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio)
     set_lr(optimizer, lr)
+    forward_model, world = forward_module(run), data_shard()[1]
     micro_batches = method.step_batches(model, step, micro_batches)
-    forward_model, world = _data_parallel(run), data_shard()[1]
     n_total = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
     n_inputs = sum(int(m["attention_mask"].sum()) for m in micro_batches)
     if run.distributed:  # the global batch's counts
@@ -159,7 +161,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(run.device, non_blocking=True) for k, v in mb.items()}
         last = i + 1 == len(micro_batches)
-        with forward_model.no_sync() if run.distributed and not last else contextlib.nullcontext():
+        with forward_model.no_sync() if run.strategy == "ddp" and not last else contextlib.nullcontext():
             with run.autocast(), forward_context():
                 out, extra = method.forward(forward_model, mb, step)
             loss = out.loss_sum / (max(n_total, 1) / world)
@@ -179,6 +181,8 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
         trainable = [p for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0
                                                    else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: the sharded gradients' norm, a DTensor
+            grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step, model, optimizer)

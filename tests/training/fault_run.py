@@ -3,9 +3,13 @@
     python tests/training/fault_run.py 'kill@step:7' CONFIG.yaml key=value ...
     python tests/training/fault_run.py 'kill@save:9,raise@step:5' CONFIG.yaml ...
 
-SPEC is a comma-separated list of ACTION@POINT:STEP. POINT is `step` (after that optimizer step) or
-`save` (in the middle of writing that step's checkpoint). ACTION `kill` sends SIGKILL to this
-process; `raise` raises a RuntimeError once (a restart of the run does not see it again).
+SPEC is a comma-separated list of ACTION@POINT:STEP[:RANK]. POINT is `step` (after that optimizer
+step) or `save` (in the middle of writing that step's checkpoint). ACTION `kill` sends SIGKILL to this
+process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank). A restart
+of the run does not see a fault again: not in the same process, nor after torchrun restarted the job
+(TORCHELASTIC_RESTART_COUNT > 0). Under torchrun, RANK limits a fault to that rank.
+
+    torchrun --nproc-per-node 2 tests/training/fault_run.py 'kill@step:3:1' CONFIG.yaml ...
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import functools
 import os
 import signal
 import sys
+import time
 
 
 def parse_fault(spec: str):
@@ -21,17 +26,23 @@ def parse_fault(spec: str):
     items = []
     for item in filter(None, spec.split(",")):
         action, where = item.split("@")
-        point, at = where.split(":")
-        if action not in ("kill", "raise") or point not in ("step", "save"):
-            raise ValueError(f"bad fault {item!r}: expected kill|raise @ step|save : N")
+        point, at, *rank = where.split(":")
+        if action not in ("kill", "raise", "hang") or point not in ("step", "save") or len(rank) > 1:
+            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang @ step|save : N [: RANK]")
+        if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
+            continue
         items.append((item, action, point, int(at)))
     fired: set[str] = set()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        items = []
 
     def fault(point: str, step: int) -> None:
         for item, action, name, at in items:
             if name == point and at == step and item not in fired:
                 if action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if action == "hang":
+                    time.sleep(600)
                 fired.add(item)
                 raise RuntimeError(f"injected fault at {point} {step}")
 

@@ -1,5 +1,7 @@
-"""Data-parallel training (`distributed: ddp`, torchrun, gloo on CPU) equals one process on the same
-global batch; the reversible stack stays exact under DDP; bad input is refused before anything is written.
+"""Data-parallel training (`distributed: ddp | fsdp`, torchrun, gloo on CPU) equals one process on the
+same global batch; the reversible stack stays exact under both; checkpoints resume after a rank is
+killed and on another world size; a hung rank ends in a timeout error; bad input is refused before
+anything is written.
 
 The 2-rank runs train with per_device_train_batch_size 2; the reference, one process with 4: the same
 global batch of every step. Losses per step and the final weights must agree within 1e-5 (fp32).
@@ -12,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from revffn.training import loop
 from revffn.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
+FAULT_RUN = Path(__file__).with_name("fault_run.py")
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}",
         "data=builtin:quickstart_train", "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0",
         "max_seq_length=32", "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0",
@@ -41,7 +45,8 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
 }
-OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods DDP trains (hift is refused): -m slow
+OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods both strategies train (hift is refused): -m slow
+STRATEGIES = ("ddp", "fsdp")
 TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
 
 
@@ -52,11 +57,11 @@ def _free_port() -> int:
 
 
 def _torchrun(out: Path, over: list[str], launch: tuple[str, ...] = ("-m", "revffn", "train"),
-              env: dict | None = None) -> subprocess.CompletedProcess:
+              env: dict | None = None, restarts: int = 0) -> subprocess.CompletedProcess:
     """2 ranks on CPU (gloo); a hung collective would end at the subprocess timeout."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", *launch, *TINY, *over, f"output_dir={out}"]
+           f"--master-port={_free_port()}", f"--max-restarts={restarts}", *launch, *TINY, *over, f"output_dir={out}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -69,36 +74,45 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
             for k, v in load_file(f).items()}
 
 
+def _assert_same_run(one: Path, other: Path, label: str) -> None:
+    """The same losses at every step (each logged once) and the same final weights, within TOL."""
+    one_losses, other_losses = _losses(one), _losses(other)
+    assert len(other_losses) == len(one_losses) == 4  # rank 0 alone wrote metrics.jsonl: one line per step
+    loss_diff = max(abs(a - b) for a, b in zip(one_losses, other_losses))
+    one_w, other_w = _weights(one), _weights(other)
+    assert one_w.keys() == other_w.keys() and one_w
+    weight_diff = max((one_w[k] - other_w[k]).abs().max().item() for k in one_w)
+    print(f"{label}: max |loss diff| {loss_diff:.2e}, max |weight diff| {weight_diff:.2e}")
+    assert loss_diff < TOL and weight_diff < TOL
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("method", [*METHODS, *(pytest.param(m, marks=pytest.mark.slow) for m in OTHERS)])
-def test_ddp_equals_one_process(tmp_path, method):
+def test_data_parallel_equals_one_process(tmp_path, method):
     options, per_device, accumulation = METHODS.get(method, ([f"method={method}", "router_aux_loss_coef=0"], 4, 1))
-    ddp = _torchrun(tmp_path / "ddp", [*options, "per_device_train_batch_size=2", "distributed=ddp", "save_steps=2"])
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    assert (tmp_path / "ddp" / "checkpoints" / "step-2").is_dir()  # rank 0's, between barriers
     loop.run(load_config(None, [*TINY, *options, f"per_device_train_batch_size={per_device}",
                                 f"gradient_accumulation_steps={accumulation}", f"output_dir={tmp_path / 'one'}"]))
-    one_losses, ddp_losses = _losses(tmp_path / "one"), _losses(tmp_path / "ddp")
-    assert len(ddp_losses) == 4  # rank 0 alone wrote metrics.jsonl: one line per step
-    loss_diff = max(abs(a - b) for a, b in zip(one_losses, ddp_losses))
-    one_w, ddp_w = _weights(tmp_path / "one"), _weights(tmp_path / "ddp")
-    assert one_w.keys() == ddp_w.keys() and one_w
-    weight_diff = max((one_w[k] - ddp_w[k]).abs().max().item() for k in one_w)
-    print(f"{method}: max |loss diff| {loss_diff:.2e}, max |weight diff| {weight_diff:.2e}")
-    assert loss_diff < TOL and weight_diff < TOL
-    if method.startswith("revffn"):
-        stages = [json.loads(line)["stage"] for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
-        assert stages == ["warmup" if method == "revffn" else "heal"] * 2 + ["joint"] * 2
+    for strategy in STRATEGIES:
+        out = tmp_path / strategy
+        r = _torchrun(out, [*options, "per_device_train_batch_size=2", f"distributed={strategy}", "save_steps=2"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        ckpt = out / "checkpoints" / "step-2"  # rank 0's whole model (ddp), or every rank's shards (fsdp: DCP)
+        assert (ckpt / ("dcp/.metadata" if strategy == "fsdp" else "model.safetensors")).is_file()
+        _assert_same_run(tmp_path / "one", out, f"{method} {strategy}")
+        if method.startswith("revffn"):
+            stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert stages == ["warmup" if method == "revffn" else "heal"] * 2 + ["joint"] * 2
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("method", ["full", "revffn"])
-def test_expert_without_tokens_on_one_rank(tmp_path, method):
+def test_expert_without_tokens_on_one_rank(tmp_path, method, strategy):
     """Expert 0 of every layer gets no token on rank 1 (tests/training/starved_expert_run.py): the run
     neither hangs nor errors, and the ranks stay in step (rank 0 logged every step)."""
     count = tmp_path / "starved"
-    r = _torchrun(tmp_path / "ddp", [*METHODS[method][0], "per_device_train_batch_size=2", "distributed=ddp",
-                                     "max_steps=3"],
+    r = _torchrun(tmp_path / "ddp", [*METHODS[method][0], "per_device_train_batch_size=2",
+                                     f"distributed={strategy}", "max_steps=3"],
                   launch=(str(Path(__file__).with_name("starved_expert_run.py")),), env={"STARVED_OUT": str(count)})
     assert r.returncode == 0, r.stderr[-3000:]
     calls, tokens = map(int, count.read_text().split())
@@ -135,6 +149,57 @@ def test_parameters_are_not_inputs_of_the_reversible_function():
         assert not any(id(v) in params for v in leaves)
 
 
+REVFFN = [*METHODS["revffn"][0], "router_aux_loss_coef=0"]  # no per-rank aux loss: any split of a batch is exact
+
+
+@pytest.fixture(scope="module")
+def revffn_one(tmp_path_factory) -> Path:
+    """One process, the whole global batch of 4 a step: the reference of the fault and resume tests."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    loop.run(load_config(None, [*TINY, *REVFFN, "per_device_train_batch_size=4", f"output_dir={out}"]))
+    return out
+
+
+@pytest.mark.integration
+def test_rank_killed_mid_run_resumes_from_checkpoint(tmp_path, revffn_one):
+    """torchrun --max-restarts 1: rank 1 is SIGKILLed after step 3 (step-2 is checkpointed, sharded).
+    torchrun restarts both ranks, which resume from step-2 and finish: the run equals the uninterrupted
+    one, metrics.jsonl holds each step once, and events.jsonl records the restart."""
+    out = tmp_path / "fsdp"
+    r = _torchrun(out, [*REVFFN, "per_device_train_batch_size=2", "distributed=fsdp", "save_steps=2"],
+                  launch=(str(FAULT_RUN), "kill@step:3:1"), restarts=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "-9" in r.stderr or "SIGKILL" in r.stderr  # the agent saw rank 1 die
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"], e["from_step"]) for e in events] == [("restart", 1, 2)]
+    _assert_same_run(revffn_one, out, "killed rank, resumed")
+
+
+@pytest.mark.integration
+def test_resume_on_one_process_from_two_ranks(tmp_path, revffn_one):
+    """A sharded checkpoint taken at world size 2 resumes in one process: with global_batch_size the
+    global batch stays 4 (2 ranks x 2, then 1 process x 2 x 2 accumulated), so the data order and the
+    result are the uninterrupted run's."""
+    out = tmp_path / "run"
+    batch = ["per_device_train_batch_size=2", "global_batch_size=4"]
+    r = _torchrun(out, [*REVFFN, *batch, "distributed=fsdp", "save_steps=2"], launch=(str(FAULT_RUN), "raise@step:3"))
+    assert r.returncode != 0 and (out / "checkpoints" / "step-2" / "dcp").is_dir()
+    loop.run(load_config(None, [*TINY, *REVFFN, *batch, "resume=true", f"output_dir={out}"]))
+    _assert_same_run(revffn_one, out, "world 2 -> 1")
+
+
+@pytest.mark.integration
+def test_hung_rank_ends_in_a_timeout_error(tmp_path):
+    """Rank 1 hangs after step 2; rank 0's next collective gives up after distributed_timeout and the
+    job ends with a message naming the key, instead of hanging."""
+    t0 = time.monotonic()
+    r = _torchrun(tmp_path / "run", ["method=full", "per_device_train_batch_size=2", "distributed=ddp",
+                                     "distributed_timeout=5"], launch=(str(FAULT_RUN), "hang@step:2:1"))
+    assert r.returncode != 0
+    assert "CollectiveTimeout" in r.stderr and "distributed_timeout=5s" in r.stderr
+    assert time.monotonic() - t0 < 120
+
+
 @pytest.mark.parametrize("over, env, needle", [
     (["distributed=ddp"], {}, "distributed: ddp needs the processes torchrun starts"),
     (["distributed=ddp", "method=hift"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot train method 'hift'"),
@@ -142,6 +207,12 @@ def test_parameters_are_not_inputs_of_the_reversible_function():
     (["distributed=ddp", "optimizer_in_backward=true"], {"RANK": "0", "WORLD_SIZE": "2"}, "optimizer_in_backward"),
     (["distributed=ddp", "max_restarts=1"], {"RANK": "0", "WORLD_SIZE": "2"}, "max_restarts"),
     (["distributed=none"], {"RANK": "0", "WORLD_SIZE": "2"}, "distributed: none"),
+    (["distributed=fsdp"], {}, "distributed: fsdp needs the processes torchrun starts"),
+    (["distributed=fsdp", "method=hift"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot train method 'hift'"),
+    (["distributed=fsdp", "optimizer=adamw8bit"], {"RANK": "0", "WORLD_SIZE": "2"}, "optimizer=adamw8bit"),
+    (["distributed=ddp", "global_batch_size=6", "per_device_train_batch_size=2"], {"RANK": "0", "WORLD_SIZE": "4"},
+     "global_batch_size: 6 is not a multiple of per_device_train_batch_size 2 x 4 processes"),
+    (["global_batch_size=8", "gradient_accumulation_steps=2"], {}, "both set the batch"),
 ])
 def test_bad_input(tmp_path, monkeypatch, over, env, needle):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -158,7 +229,7 @@ def test_bad_input(tmp_path, monkeypatch, over, env, needle):
 
 def test_unknown_strategy_is_a_config_error():
     with pytest.raises(UserError, match="distributed"):
-        load_config(None, [*TINY, "distributed=fsdp", "output_dir=x"])
+        load_config(None, [*TINY, "method=full", "distributed=deepspeed", "output_dir=x"])
 
 
 def test_cli_exit_2_without_torchrun(tmp_path):
@@ -168,3 +239,18 @@ def test_cli_exit_2_without_torchrun(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "torchrun" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_refuses_to_resume_a_whole_model_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint of a run without FSDP (model.safetensors) is not resumed under fsdp; the run's files
+    stay as they were."""
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):  # a one-process run with step-2 saved, stopped at step 3
+        loop.run(load_config(None, [*TINY, "method=full", "save_steps=2", f"output_dir={out}"]),
+                 fault=lambda point, step: (_ for _ in ()).throw(RuntimeError("stop")) if step == 3 else None)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="distributed=ddp or none"):
+        loop.run(load_config(None, [*TINY, "method=full", "distributed=fsdp", "resume=true", f"output_dir={out}"]))
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
