@@ -171,6 +171,13 @@ def count_params(config) -> dict[str, int]:
     return out
 
 
+def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
+    """Base-model parameters of the units that train or shard together: the embedding, each decoder
+    layer, the final norm + head (the head's weight is the embedding's when tied)."""
+    layers = [sum(v for k, v in layer_params(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
+    return [counts["embed"], *layers, counts["head"] + m.d]
+
+
 # -- what a method's terms are computed from, and what they are -----------------------------------
 @dataclass(frozen=True)
 class MemoryContext:
