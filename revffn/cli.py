@@ -6,7 +6,7 @@
     revffn eval MODEL_DIR --data FILE [--json]      loss, perplexity, exact match
     revffn check --model tiny-qwen2-moe --layers 4  reversible vs plain gradients
     revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --out DIR   memory and speed per method
-    revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate
+    revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate per GPU
     revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
     revffn convert builtin:base --out DIR --heal-steps 400   convert once: calibrated, healed; train from DIR
 
@@ -139,7 +139,7 @@ def cmd_archs(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from revffn.memory.estimate import configurations, estimate, format_estimate, parse_size
+    from revffn.memory.estimate import configurations, estimate, format_estimate, gpus_needed, parse_size
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config, model_kind
     from revffn.training.config import parse_overrides
@@ -150,11 +150,16 @@ def cmd_estimate(args) -> int:
     model_kind(args.model, "--model")
     options = parse_overrides(args.option)
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
-    est = estimate(config, method, args.batch, args.seq, args.dtype, **options)
+    parallel = {"world_size": args.world_size, "distributed": args.distributed}
+    est = estimate(config, method, args.batch, args.seq, args.dtype, **parallel, **options)
     if args.gpu_mem is not None:
         est["configurations"] = configurations(config, method, args.batch, args.seq, args.dtype, args.gpu_mem,
-                                               **{k: v for k, v in options.items()
-                                                  if k not in ("optimizer", "optimizer_in_backward", "offload")})
+                                               **parallel, **{k: v for k, v in options.items()
+                                                              if k not in ("optimizer", "optimizer_in_backward",
+                                                                           "offload")})
+        if args.distributed == "fsdp":
+            est["gpus_needed"] = gpus_needed(config, method, args.batch, args.seq, args.dtype, args.gpu_mem,
+                                             **options)
     if args.json:
         if args.gpu_mem is not None:
             est["gpu_mem"], est["fits"] = args.gpu_mem, est["total"] <= parse_size(args.gpu_mem)
@@ -292,12 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("estimate", help="analytic memory estimate of one training step (needs only the config)")
     s.add_argument("--model", required=True, help="tiny preset, config-only preset (qwen1.5-moe-a2.7b, ...) or dir")
     s.add_argument("--method", default="revffn")
-    s.add_argument("--batch", type=_positive, default=1)
+    s.add_argument("--batch", type=_positive, default=1, help="sequences per GPU")
     s.add_argument("--seq", type=_positive, default=2048)
     s.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
     s.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
     s.add_argument("--hidden", type=_positive, default=None, help="override hidden_size")
-    s.add_argument("--gpu-mem", default=None, help="e.g. 80GB or 80GiB: say whether it fits")
+    s.add_argument("--gpu-mem", default=None, help="e.g. 80GB or 80GiB: say whether it fits (fsdp: on how many "
+                   "GPUs)")
+    s.add_argument("--world-size", type=int, default=1, help="data-parallel GPUs (default 1)")
+    s.add_argument("--distributed", default="none", help="none | ddp | fsdp: the per-GPU memory of that "
+                   "data-parallel strategy (default none)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="estimator option: rank=8, group_size=2, freeze_router=false, padded=false, ...")
     s.add_argument("--json", action="store_true", help="print exactly one JSON object")

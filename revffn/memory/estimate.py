@@ -12,6 +12,19 @@ Needs only an HF config (never weights). Bytes, per training step:
 - ``logits``: one chunk of the chunked cross-entropy (`revffn.models.loss`), logits and their grad.
 - ``overhead``: a fixed 5% of the rest.
 
+Every term is per GPU; ``batch`` is the per-GPU batch. Data-parallel (``distributed``, over ``world_size``
+GPUs) changes only the static terms and adds the buffers of the strategy:
+
+- ``ddp``: each rank holds the whole model, its gradients and optimizer states, and ``grad_buckets``:
+  DDP's flat copy of the trainable gradients (torch's default ``gradient_as_bucket_view=False``).
+- ``fsdp`` (FSDP2 ``fully_shard`` on each decoder layer, then the root: embedding, final norm, head):
+  weights, grads and optimizer states are each 1/``world_size`` (rounded up), plus ``gathered_params``
+  (the root's, which FSDP2 keeps unsharded from forward to backward, and two decoder layers': the
+  current and the prefetched next) and ``unsharded_grads`` (the root's, reduce-scattered when the
+  backward ends, and one layer's). A unit's share of the weight and gradient bytes is its share of
+  the base model's parameters (`unit_params`), so a method's adapters count with their units (a
+  teacher copy too: an overestimate, as the teacher's layers are gathered in its own forward).
+
 The shared parts live here: the model geometry (`Dims`), parameter counts, the bytes each layer saves
 when everything trains (`MemoryContext`), and the static / logits / overhead arithmetic. Each method's
 own part (what trains, what its forward keeps) is its class's `memory_terms` (`revffn.methods`), with
@@ -44,6 +57,8 @@ QUANTIZED_STATE_BYTES = {"adamw8bit": 2 * (1 + 4 / 256), "adamw4bit": 2 * (0.5 +
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 OVERHEAD = 0.05
+DISTRIBUTED = ("none", "ddp", "fsdp")
+MAX_GPUS = 1024  # the most GPUs `gpus_needed` tries
 CHUNK_TOKENS = 1024
 COMMON_OPTIONS = {  # every method's estimator options (a method adds its own in ESTIMATE_OPTIONS)
     "padded": Key(bool, True, "an attention mask is given (as the training loop does): k/v repeated to all heads"),
@@ -171,6 +186,13 @@ def count_params(config) -> dict[str, int]:
     return out
 
 
+def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
+    """Base-model parameters of the units that train or shard together: the embedding, each decoder
+    layer, the final norm + head (the head's weight is the embedding's when tied)."""
+    layers = [sum(v for k, v in layer_params(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
+    return [counts["embed"], *layers, counts["head"] + m.d]
+
+
 # -- what a method's terms are computed from, and what they are -----------------------------------
 @dataclass(frozen=True)
 class MemoryContext:
@@ -231,6 +253,7 @@ class MemoryMethod(Protocol):
 
     name: str
     ESTIMATE_OPTIONS: dict[str, Key]
+    DDP_OK: bool  # it can train data-parallel
 
     def memory_terms(self, ctx: MemoryContext, **options) -> MemoryTerms: ...
 
@@ -271,18 +294,21 @@ def _options(method: MemoryMethod, given: dict) -> dict:
 
 # -- the estimate ---------------------------------------------------------------------------------
 def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "float32", optimizer: str = "adamw",
-             **options) -> dict:
-    """Estimated bytes of one training step of `method` on `config` (see the module docstring).
+             world_size: int = 1, distributed: str = "none", **options) -> dict:
+    """Estimated bytes per GPU of one training step of `method` on `config` (see the module docstring).
 
     Args:
         method: the method's class (`revffn.methods.method_class(name)`).
+        batch: sequences per GPU.
+        world_size, distributed: data-parallel GPUs and strategy (``none`` | ``ddp`` | ``fsdp``).
         options: ``padded`` (True: an attention mask is passed, as the training loop does),
             ``attn_implementation`` (``sdpa`` | ``eager``; default the config's), and the method's
             ``ESTIMATE_OPTIONS`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``, ``distill_coef``,
             ``recompute_chunk_tokens``; lora, dora, refta: ``rank``; hift: ``group_size``).
 
     Raises:
-        UserError: an unknown option, optimizer or dtype, or a bad batch or sequence length.
+        UserError: an unknown option, optimizer or dtype, a bad batch or sequence length, or a data-parallel
+            setup that training refuses.
     """
     if not hasattr(method, "memory_terms"):
         raise TypeError(f"estimate: method must be a method class, got {method!r}; resolve a name with "
@@ -295,6 +321,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                         f"{', '.join(dict.fromkeys((*OPTIMIZERS, *OPTIMIZER_STATES)))}.")
     if batch < 1 or seq < 2:
         raise UserError(f"batch={batch}, seq={seq}: need batch >= 1 and seq >= 2.")
+    _check_data_parallel(method, world_size, distributed, in_backward)
     s = dtype_bytes(dtype)
     ctx = context(config, batch, seq, s, opts.pop("padded"), opts.pop("attn_implementation"))
     terms = method.memory_terms(ctx, **opts)
@@ -327,6 +354,20 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         notes.append(f"offload cpu: {states / 2**30:.2f} GiB of optimizer states in host memory (not counted), "
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
+    buckets = gathered = unsharded = 0
+    if distributed == "ddp":
+        buckets = trainable * a
+        notes.append(f"ddp over {world_size} GPU(s): each holds the whole model, its gradients and optimizer "
+                     "states, and DDP's gradient buckets, a flat copy of the trainable gradients "
+                     "(gradient_as_bucket_view=False, torch's default); NCCL's own buffers not counted")
+    elif distributed == "fsdp":
+        gathered, unsharded = _fsdp_unsharded(m, ctx.counts, weights, trainable * a)
+        weights, grads, states = (-(-x // world_size) for x in (weights, grads, states))
+        notes.append(f"fsdp over {world_size} GPU(s) (FSDP2 fully_shard per decoder layer, then the root: "
+                     f"embedding, final norm, head): weights, grads and optimizer states 1/{world_size} each; "
+                     "unsharded while in use: the root's and two layers' parameters (current + prefetched), the "
+                     "root's and one layer's gradients (before their reduce-scatter); NCCL's own buffers not "
+                     "counted")
     if s != 4:
         notes.append(f"{dtype}: {s}-byte weights and grads" + (
             f", {optimizer} states like the params" if optimizer in OPTIMIZER_STATES and offload != "cpu" else ""))
@@ -334,17 +375,52 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
     act_fwd, working = terms.activations_forward, terms.recompute_working_set
     activations = act_fwd + working
-    rest = weights + grads + states + activations + logits
+    rest = weights + grads + states + buckets + gathered + unsharded + activations + logits
     overhead = int(round(OVERHEAD * rest))
     notes.append("overhead: a fixed 5% of the rest (allocator, workspaces, stream grads); nothing else")
     return {
-        "weights": weights, "grads": grads, "optimizer_states": states, "activations": activations,
+        "weights": weights, "grads": grads, "optimizer_states": states, "grad_buckets": buckets,
+        "gathered_params": gathered, "unsharded_grads": unsharded, "activations": activations,
         "logits": logits, "overhead": overhead, "total": rest + overhead,
         "activations_forward": act_fwd, "recompute_working_set": working, "routing_records": terms.routing_records,
         "trainable_params": trainable, "total_params": total_params, "notes": notes,
         "method": method.name, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
         "optimizer": optimizer, "optimizer_in_backward": in_backward, "offload": offload, "batch": B, "seq": T,
+        "world_size": world_size, "distributed": distributed,
     }
+
+
+def _check_data_parallel(method: MemoryMethod, world_size: int, distributed: str, in_backward: bool) -> None:
+    """Refuse, all problems at once, what data-parallel training refuses (`training.setup.pick_distributed`):
+    a method that cannot train data-parallel, and parameters stepped in backward (before the gradient is
+    all-reduced or reduce-scattered)."""
+    if distributed not in DISTRIBUTED:
+        raise UserError(f"--distributed {distributed!r} is not a strategy. Fix: one of {', '.join(DISTRIBUTED)}.")
+    problems = []
+    if not isinstance(world_size, int) or world_size < 1:
+        problems.append(f"--world-size {world_size}: need at least one GPU. Fix: --world-size 1 or more.")
+    elif distributed == "none" and world_size > 1:
+        problems.append(f"--world-size {world_size} with --distributed none: one process trains on one GPU. "
+                        "Fix: --distributed fsdp (or ddp), or --world-size 1.")
+    if distributed != "none" and not method.DDP_OK:
+        problems.append(f"--distributed {distributed}: method {method.name!r} changes what trains every step, which "
+                        "data-parallel training cannot follow. Fix: --distributed none, or another method.")
+    if distributed != "none" and in_backward:
+        problems.append(f"optimizer_in_backward: true steps each parameter in backward, before {distributed} "
+                        "reduces its gradient across GPUs (training refuses it). Fix: --option "
+                        "optimizer_in_backward=false, or --distributed none.")
+    if problems:
+        raise UserError(" ".join(problems))
+
+
+def _fsdp_unsharded(m: Dims, counts: dict[str, int], weights: int, grads: int) -> tuple[int, int]:
+    """FSDP2's unsharded buffers at the peak, in bytes: (the parameters of the root and two decoder
+    layers, the gradients of the root and one layer). A unit's part of `weights` and `grads` (unsharded)
+    is its share of the base model's parameters."""
+    units = unit_params(m, counts)
+    root, layer = units[0] + units[-1], max(units[1:-1])
+    return (math.ceil((root + 2 * layer) * weights / counts["total"]),
+            math.ceil((root + layer) * grads / counts["total"]))
 
 
 def _largest_tensor(m: Dims) -> int:
@@ -366,18 +442,41 @@ def _adafactor_bytes(m: Dims) -> int:
     return 4 * (sum(per_layer) + 2 * (m.vocab + m.d) + m.d)
 
 
+def gpus_needed(config, method: MemoryMethod, batch: int, seq: int, dtype: str, gpu_mem: str,
+                **options) -> int | None:
+    """The fewest GPUs, up to `MAX_GPUS`, on which FSDP training fits `gpu_mem` per GPU; None if not even
+    `MAX_GPUS`. The per-GPU total never grows with the GPU count (only the sharded terms change), so
+    bisect."""
+    def fits_on(n: int) -> bool:
+        return fits(estimate(config, method, batch, seq, dtype, world_size=n, distributed="fsdp", **options)["total"],
+                    gpu_mem)
+
+    if not fits_on(MAX_GPUS):
+        return None
+    too_few, enough = 0, MAX_GPUS
+    while enough - too_few > 1:
+        mid = (too_few + enough) // 2
+        too_few, enough = (too_few, mid) if fits_on(mid) else (mid, enough)
+    return enough
+
+
 def configurations(config, method: MemoryMethod, batch: int, seq: int, dtype: str, gpu_mem: str,
-                   **options) -> list[dict]:
-    """Every optimizer x in-backward x offload combination of `method`, each with its total and whether
-    it fits `gpu_mem`, smallest first (what `revffn estimate --gpu-mem` lists)."""
+                   world_size: int = 1, distributed: str = "none", **options) -> list[dict]:
+    """Every optimizer x in-backward x offload combination of `method` (data-parallel: without the
+    in-backward step, which it refuses), each with its per-GPU total and whether it fits `gpu_mem`
+    (fsdp: with ``gpus``, the fewest GPUs it fits on, `gpus_needed`), smallest first (what `revffn
+    estimate --gpu-mem` lists)."""
     rows = []
     for opt in OPTIMIZERS:
-        for in_bwd in (False, True):
+        for in_bwd in (False, True) if distributed == "none" else (False,):
             for off in ("none", "cpu"):
-                est = estimate(config, method, batch, seq, dtype, **{**options, "optimizer": opt,
-                                                                      "optimizer_in_backward": in_bwd, "offload": off})
+                variant = {**options, "optimizer": opt, "optimizer_in_backward": in_bwd, "offload": off}
+                est = estimate(config, method, batch, seq, dtype, world_size=world_size, distributed=distributed,
+                               **variant)
                 rows.append({"optimizer": opt, "optimizer_in_backward": in_bwd, "offload": off,
                              "total": est["total"], "fits": fits(est["total"], gpu_mem)})
+                if distributed == "fsdp":
+                    rows[-1]["gpus"] = gpus_needed(config, method, batch, seq, dtype, gpu_mem, **variant)
     return sorted(rows, key=lambda r: r["total"])
 
 # -- sizes and formatting -----------------------------------------------------------------------
@@ -405,11 +504,16 @@ def _gib(n: int) -> str:
 
 
 def format_estimate(est: dict, gpu_mem: str | None = None) -> str:
-    """A readable breakdown in GiB; with `gpu_mem`, whether it fits."""
-    lines = [f"memory estimate: {est.get('model', '?')}, method {est.get('method', '?')}, batch {est.get('batch')} "
+    """A readable per-GPU breakdown in GiB; with `gpu_mem`, whether it fits (and, with ``gpus_needed``
+    in `est`, on how many GPUs FSDP fits)."""
+    lines = [f"memory estimate per GPU (distributed {est['distributed']}, world size {est['world_size']}): "
+             f"{est.get('model', '?')}, method {est.get('method', '?')}, batch {est.get('batch')} per GPU "
              f"x seq {est.get('seq')}, {est.get('dtype')}, {est.get('optimizer')}",
              f"  {'part':<30}{'GiB':>10}"]
-    for key in ("weights", "grads", "optimizer_states", "activations", "logits", "overhead"):
+    for key in ("weights", "grads", "optimizer_states", "grad_buckets", "gathered_params", "unsharded_grads",
+                "activations", "logits", "overhead"):
+        if key in ("grad_buckets", "gathered_params", "unsharded_grads") and not est[key]:
+            continue  # the buffers of a data-parallel strategy
         lines.append(f"  {key:<30}{_gib(est[key])}")
         if key == "activations":
             for sub in ("recompute_working_set", "routing_records"):
@@ -421,11 +525,20 @@ def format_estimate(est: dict, gpu_mem: str | None = None) -> str:
         ok = fits(est["total"], gpu_mem)
         lines.append(f"  fits on this GPU ({gpu_mem}): {'yes' if ok else 'no'}"
                      + ("" if ok else f" (needs {math.ceil(est['total'] / 2**30)} GiB)"))
+    if gpu_mem is not None and "gpus_needed" in est:
+        n = est["gpus_needed"]
+        floor = (1 + OVERHEAD) * sum(est[k] for k in ("gathered_params", "unsharded_grads", "activations", "logits"))
+        lines.append(f"  fsdp: fits on {n} or more GPUs of {gpu_mem}" if n else
+                     f"  fsdp: does not fit on {MAX_GPUS} GPUs of {gpu_mem}: what sharding leaves (unsharded "
+                     f"parameters and gradients, activations, logits, + 5%) is {floor / 2**30:.2f} GiB per GPU")
     lines += [f"  note: {n}" for n in est.get("notes", [])]
     if gpu_mem is not None and est.get("configurations"):
-        lines += ["", f"  configurations of this method on {gpu_mem} (smallest first):",
-                  f"  {'optimizer':<11}{'in-backward':<13}{'offload':<9}{'GiB':>9}  fits"]
+        gpus = "gpus" in est["configurations"][0]
+        lines += ["", f"  configurations of this method on {gpu_mem}, per GPU (smallest first"
+                  + (f"; GPUs: the fewest fsdp fits on, - if over {MAX_GPUS}" if gpus else "") + "):",
+                  f"  {'optimizer':<11}{'in-backward':<13}{'offload':<9}{'GiB':>9}  fits" + ("  GPUs" if gpus else "")]
         for r in est["configurations"]:
-            lines.append(f"  {r['optimizer']:<11}{str(r['optimizer_in_backward']).lower():<13}{r['offload']:<9}"
-                         f"{_gib(r['total']):>9}  {'yes' if r['fits'] else 'no'}")
+            row = (f"  {r['optimizer']:<11}{str(r['optimizer_in_backward']).lower():<13}{r['offload']:<9}"
+                   f"{_gib(r['total']):>9}  {'yes' if r['fits'] else 'no':<4}")
+            lines.append((row + (f"{r['gpus'] or '-':>5}" if gpus else "")).rstrip())
     return "\n".join(lines)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms, layer_params
+from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms, unit_params
 from revffn.memory.saved import hift_saved
 from revffn.methods.base import Method, export_hf, set_requires_grad
 from revffn.models.causal_lm import CausalLM
@@ -196,7 +196,5 @@ class HiFTMethod(Method):
 
 def group_params(m: Dims, counts: dict[str, int], group_size: int) -> list[int]:
     """Parameters per group of `group_size` units (embedding, each layer, final norm + head)."""
-    units = [counts["embed"]]
-    units += [sum(v for k, v in layer_params(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
-    units.append(counts["head"] + m.d)  # final norm + head (its weight is the embedding's when tied)
+    units = unit_params(m, counts)
     return [sum(units[j : j + group_size]) for j in range(0, len(units), group_size)]

@@ -39,7 +39,11 @@ def test_layers_and_hidden_overrides_scale_the_estimate(capsys):
                                        (["--method", "fulll"], "full"), (["--option", "rank=4"], "rank"),
                                        (["--dtype", "float8"], "dtype"),
                                        (["--method", "revffn", "--option", "stage=3"], "option stage: must be <= 2"),
-                                       (["--method", "hift", "--option", "group_size=0"], "group_size")])
+                                       (["--method", "hift", "--option", "group_size=0"], "group_size"),
+                                       (["--world-size", "0"], "--world-size"),
+                                       (["--distributed", "zero"], "--distributed"),
+                                       (["--distributed", "ddp", "--option", "optimizer_in_backward=true"],
+                                        "optimizer_in_backward")])
 def test_bad_input_exit_2(argv, word, capsys):
     base = {"--model": "tiny-qwen2-moe", "--method": "full"}
     for flag, value in zip(argv[::2], argv[1::2]):
@@ -47,3 +51,16 @@ def test_bad_input_exit_2(argv, word, capsys):
     assert cli.main(["estimate", *[x for kv in base.items() for x in kv]]) == 2
     err = capsys.readouterr().err
     assert word in err and err.count("\n") == 1
+
+
+def test_fsdp_per_gpu_and_the_gpus_needed(capsys):
+    argv = ["estimate", "--model", "mixtral-8x7b", "--distributed", "fsdp", "--world-size", "8", "--gpu-mem", "80GB"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for word in ("per GPU (distributed fsdp, world size 8)", "gathered_params", "unsharded_grads",
+                 "fsdp: fits on 6 or more GPUs of 80GB", "GPUs"):
+        assert word in out, word
+    assert cli.main([*argv, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", 6)
+    assert {r["optimizer"]: r["gpus"] for r in est["configurations"] if r["offload"] == "none"}["adamw"] == 6
