@@ -253,7 +253,7 @@ class MemoryMethod(Protocol):
 
     name: str
     ESTIMATE_OPTIONS: dict[str, Key]
-    DDP_OK: bool  # it can train data-parallel
+    DISTRIBUTED: tuple[str, ...]  # the data-parallel strategies that train it
 
     def memory_terms(self, ctx: MemoryContext, **options) -> MemoryTerms: ...
 
@@ -402,9 +402,9 @@ def _check_data_parallel(method: MemoryMethod, world_size: int, distributed: str
     elif distributed == "none" and world_size > 1:
         problems.append(f"--world-size {world_size} with --distributed none: one process trains on one GPU. "
                         "Fix: --distributed fsdp (or ddp), or --world-size 1.")
-    if distributed != "none" and not method.DDP_OK:
-        problems.append(f"--distributed {distributed}: method {method.name!r} changes what trains every step, which "
-                        "data-parallel training cannot follow. Fix: --distributed none, or another method.")
+    if distributed != "none" and distributed not in method.DISTRIBUTED:
+        problems.append(f"--distributed {distributed}: method {method.name!r} does not train under it (training "
+                        "refuses it). Fix: --distributed none, or another method.")
     if distributed != "none" and in_backward:
         problems.append(f"optimizer_in_backward: true steps each parameter in backward, before {distributed} "
                         "reduces its gradient across GPUs (training refuses it). Fix: --option "
