@@ -3,10 +3,11 @@
     python scripts/estimate_table.py            # print the table
     python scripts/estimate_table.py --readme   # and write it into README.md, under its heading
 
-Every config-only preset (`revffn/models/geometries/`) x revffn and full (each with AdamW, 8-bit AdamW
-and Adafactor) and LoRA (AdamW only: its optimizer states are a small part of its total) at the `revffn
-estimate` defaults (bf16, batch 1 x 2048 per GPU): GiB per GPU on one GPU and on 8 with FSDP, and the
-fewest 80GB GPUs FSDP fits on (`revffn.memory.estimate.gpus_needed`; -: not even `MAX_GPUS`).
+Every config-only preset (`revffn/models/geometries/`) x revffn and full (each with AdamW and Adafactor,
+the optimizers FSDP training shards) and LoRA (AdamW only: its optimizer states are a small part of its
+total) at the `revffn estimate` defaults (bf16, batch 1 x 2048 per GPU): GiB per GPU on one GPU and on 8
+with FSDP, and the fewest 80GB GPUs FSDP fits on (`revffn.memory.estimate.gpus_needed`; -: not even
+`MAX_GPUS`).
 `tests/scripts/test_estimate_table.py` checks that the README holds exactly this output.
 """
 
@@ -21,8 +22,8 @@ from revffn.models.loading import config_presets, hf_config
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "### Per-GPU memory (revffn estimate)"
-VARIANTS = [("revffn", "adamw"), ("revffn", "adamw8bit"), ("revffn", "adafactor"),
-            ("full", "adamw"), ("full", "adamw8bit"), ("full", "adafactor"), ("lora", "adamw")]
+VARIANTS = [("revffn", "adamw"), ("revffn", "adafactor"), ("full", "adamw"), ("full", "adafactor"),
+            ("lora", "adamw")]
 BATCH, SEQ, DTYPE, GPU_MEM, WORLD = 1, 2048, "bfloat16", "80GB", 8
 
 

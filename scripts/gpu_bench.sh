@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU benchmark: `revffn check` (bf16) and `revffn bench` (full, ckpt, revffn, and revffn with
 # the in-backward step + adamw8bit / adafactor, and CPU-offloaded AdamW) at the
-# Qwen1.5-MoE-A2.7B geometry (config-only preset: random init, bf16), on one CUDA GPU, offline.
+# Qwen1.5-MoE-A2.7B geometry (config-only preset: random init, bf16), on one CUDA GPU, offline; then a
+# 1-GPU torchrun smoke run (NCCL) of a tiny revffn model per strategy, ddp and fsdp.
 # Finishes in about 5 minutes on an H100/H200 (8 of the 24 layers; the full depth needs ~130 GiB
 # for `full`: FULL_DEPTH=1 adds that run). Results (JSON, markdown, plot, log) go to $OUT if set,
 # else runs/gpu_bench.
@@ -84,5 +85,18 @@ if [ "${FULL_DEPTH:-0}" = 1 ] && [ "${TINY:-0}" != 1 ]; then
   mkdir -p "$DEST/bench_full_depth"
   run_bench 24 "$DEST/bench_full_depth"
 fi
-log "done: $DEST (check.json, bench/bench.json|md|png, gpu_bench.log)"
+# -- 3. torchrun smoke: one process per strategy (NCCL on CUDA, gloo with TINY=1), 4 steps of revffn on a
+#       tiny model, a checkpoint at step 2 (DCP under fsdp) and final/ gathered by rank 0 -------------
+for strategy in ddp fsdp; do
+  log "torchrun --nproc-per-node 1 revffn train distributed=$strategy ($DEVICE)"
+  rm -rf "$DEST/torchrun_$strategy"
+  timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port $((29500 + RANDOM % 1000)) \
+    -m revffn train model=tiny-qwen2-moe data=builtin:quickstart_train eval_data=builtin:quickstart_val max_steps=4 \
+    save_steps=2 max_seq_length=128 per_device_train_batch_size=4 device="$DEVICE" method=revffn \
+    revffn.adapter_warmup_steps=2 distributed="$strategy" output_dir="$DEST/torchrun_$strategy" >>"$LOG" 2>&1
+  rc=$?
+  log "torchrun $strategy exit code $rc: $(tail -n 1 "$DEST/torchrun_$strategy/metrics.jsonl" 2>/dev/null | head -c 300)"
+  { [ $rc -ne 0 ] || [ ! -f "$DEST/torchrun_$strategy/final/revffn.json" ]; } && status=1
+done
+log "done: $DEST (check.json, bench/bench.json|md|png, torchrun_ddp|fsdp/, gpu_bench.log)"
 exit $status

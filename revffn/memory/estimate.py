@@ -321,7 +321,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                         f"{', '.join(dict.fromkeys((*OPTIMIZERS, *OPTIMIZER_STATES)))}.")
     if batch < 1 or seq < 2:
         raise UserError(f"batch={batch}, seq={seq}: need batch >= 1 and seq >= 2.")
-    _check_data_parallel(method, world_size, distributed, in_backward)
+    _check_data_parallel(method, world_size, distributed, in_backward, offload, optimizer)
     s = dtype_bytes(dtype)
     ctx = context(config, batch, seq, s, opts.pop("padded"), opts.pop("attn_implementation"))
     terms = method.memory_terms(ctx, **opts)
@@ -390,10 +390,14 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     }
 
 
-def _check_data_parallel(method: MemoryMethod, world_size: int, distributed: str, in_backward: bool) -> None:
-    """Refuse, all problems at once, what data-parallel training refuses (`training.setup.pick_distributed`):
-    a method that cannot train data-parallel, and parameters stepped in backward (before the gradient is
-    all-reduced or reduce-scattered)."""
+FSDP_OPTIMIZERS = ("adamw", "adafactor")  # the optimizers training shards (`training.parallel.pick_distributed`)
+
+
+def _check_data_parallel(method: MemoryMethod, world_size: int, distributed: str, in_backward: bool,
+                         offload: str, optimizer: str) -> None:
+    """Refuse, all problems at once, what data-parallel training refuses (`training.parallel.pick_distributed`):
+    a method that cannot train data-parallel, parameters stepped in backward and gradients offloaded as
+    they are made (both before the gradient is all-reduced or reduce-scattered)."""
     if distributed not in DISTRIBUTED:
         raise UserError(f"--distributed {distributed!r} is not a strategy. Fix: one of {', '.join(DISTRIBUTED)}.")
     problems = []
@@ -405,6 +409,14 @@ def _check_data_parallel(method: MemoryMethod, world_size: int, distributed: str
     if distributed != "none" and distributed not in method.DISTRIBUTED:
         problems.append(f"--distributed {distributed}: method {method.name!r} does not train under it (training "
                         "refuses it). Fix: --distributed none, or another method.")
+    if distributed == "fsdp" and optimizer not in FSDP_OPTIMIZERS:
+        problems.append(f"optimizer={optimizer} under fsdp: training shards the state of "
+                        f"{' and '.join(FSDP_OPTIMIZERS)} only. Fix: --option optimizer=adafactor (or adamw), or "
+                        "--distributed ddp.")
+    if distributed != "none" and offload != "none":
+        problems.append(f"offload={offload} moves each gradient to the host as it is made, before {distributed} "
+                        "reduces it across GPUs (training refuses it). Fix: --option offload=none, or "
+                        "--distributed none.")
     if distributed != "none" and in_backward:
         problems.append(f"optimizer_in_backward: true steps each parameter in backward, before {distributed} "
                         "reduces its gradient across GPUs (training refuses it). Fix: --option "
@@ -463,13 +475,13 @@ def gpus_needed(config, method: MemoryMethod, batch: int, seq: int, dtype: str, 
 def configurations(config, method: MemoryMethod, batch: int, seq: int, dtype: str, gpu_mem: str,
                    world_size: int = 1, distributed: str = "none", **options) -> list[dict]:
     """Every optimizer x in-backward x offload combination of `method` (data-parallel: without the
-    in-backward step, which it refuses), each with its per-GPU total and whether it fits `gpu_mem`
+    in-backward step and the offload, which it refuses), each with its per-GPU total and whether it fits `gpu_mem`
     (fsdp: with ``gpus``, the fewest GPUs it fits on, `gpus_needed`), smallest first (what `revffn
     estimate --gpu-mem` lists)."""
     rows = []
-    for opt in OPTIMIZERS:
+    for opt in FSDP_OPTIMIZERS if distributed == "fsdp" else OPTIMIZERS:
         for in_bwd in (False, True) if distributed == "none" else (False,):
-            for off in ("none", "cpu"):
+            for off in ("none", "cpu") if distributed == "none" else ("none",):
                 variant = {**options, "optimizer": opt, "optimizer_in_backward": in_bwd, "offload": off}
                 est = estimate(config, method, batch, seq, dtype, world_size=world_size, distributed=distributed,
                                **variant)

@@ -50,8 +50,9 @@ def pick_distributed(cfg) -> str:
     """"none", "ddp" or "fsdp": the `distributed` key, `auto` read from torchrun's environment (DDP
     when WORLD_SIZE > 1). Refuses what the strategy cannot run exactly: a method not built for it
     (`Method.DISTRIBUTED`), parameters stepped in backward (the hooks would step before the
-    gradients are averaged), restarts inside the process (torchrun restarts the ranks instead), and
-    under FSDP the optimizers whose state it does not shard (`optimizer_offload`, the torchao ones)."""
+    gradients are averaged), gradients moved to the host as they are made (`optimizer_offload`),
+    restarts inside the process (torchrun restarts the ranks instead), and under FSDP the torchao
+    optimizers (tested only unsharded)."""
     world = launched_world()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cfg.distributed in STRATEGIES and not launched:
@@ -77,12 +78,14 @@ def pick_distributed(cfg) -> str:
         raise UserError(f"max_restarts: {cfg.max_restarts} restarts the job inside one process; under torchrun "
                         "the ranks restart together instead. Fix: max_restarts=0 and torchrun --max-restarts N "
                         "(a restarted job resumes from the last checkpoint).")
-    if mode == "fsdp" and (cfg.optimizer not in ("adamw", "adafactor") or cfg.optimizer_offload != "none"
-                           or cfg.bf16_stochastic_round):
+    if cfg.optimizer_offload != "none":
+        raise UserError(f"optimizer_offload: {cfg.optimizer_offload} moves each gradient to the host as soon as it "
+                        f"is computed, before {mode} averages it over the ranks. Fix: optimizer_offload=none "
+                        "(sharding with distributed=fsdp saves more), or train in one process.")
+    if mode == "fsdp" and (cfg.optimizer not in ("adamw", "adafactor") or cfg.bf16_stochastic_round):
         raise UserError(f"distributed: fsdp shards the optimizer state of optimizer=adamw or adafactor only (got "
-                        f"optimizer={cfg.optimizer}, optimizer_offload={cfg.optimizer_offload}, bf16_stochastic_round="
-                        f"{cfg.bf16_stochastic_round}). Fix: optimizer=adamw (or adafactor) with offload and "
-                        "stochastic rounding off, or distributed=ddp.")
+                        f"optimizer={cfg.optimizer}, bf16_stochastic_round={cfg.bf16_stochastic_round}). Fix: "
+                        "optimizer=adamw (or adafactor) without stochastic rounding, or distributed=ddp.")
     return mode
 
 

@@ -4,7 +4,7 @@ the fewest GPUs fsdp fits on, and the setups training refuses."""
 import pytest
 
 from revffn.errors import UserError
-from revffn.memory.estimate import OPTIMIZERS, configurations, count_params, dims, fits, gpus_needed, unit_params
+from revffn.memory.estimate import FSDP_OPTIMIZERS, configurations, count_params, dims, fits, gpus_needed, unit_params
 from revffn.memory.estimate import estimate as estimate_of
 from revffn.methods import method_class
 from revffn.models.loading import hf_config
@@ -19,8 +19,7 @@ def estimate(config, method: str, *args, **options) -> dict:
 
 
 @pytest.mark.parametrize("method,options", [("full", {}), ("revffn", {}), ("lora", {}),
-                                            ("revffn", {"optimizer": "adamw8bit"}),
-                                            ("revffn", {"optimizer": "adafactor", "offload": "cpu"})])
+                                            ("revffn", {"optimizer": "adafactor"})])
 def test_fsdp_shards_the_static_terms_and_keeps_the_activations(method, options):
     config = hf_config("qwen3-30b-a3b")
     one = estimate(config, method, 2, 1024, "bfloat16", **options)
@@ -60,7 +59,7 @@ def test_ddp_adds_one_copy_of_the_trainable_gradients():
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_gpus_needed_is_the_fewest_that_fit(name, optimizer):
     config, method = hf_config(name), method_class("revffn")
     n = gpus_needed(config, method, 1, 2048, "bfloat16", "80GB", optimizer=optimizer)
@@ -82,7 +81,8 @@ def test_gpus_needed_none_when_the_unsharded_part_alone_is_too_big():
 def test_configurations_under_fsdp_list_the_gpus_each_needs():
     config, method = hf_config("mixtral-8x7b"), method_class("revffn")
     rows = configurations(config, method, 1, 2048, "bfloat16", "80GB", world_size=8, distributed="fsdp")
-    assert len(rows) == 2 * len(OPTIMIZERS) and not any(r["optimizer_in_backward"] for r in rows)  # refused
+    assert len(rows) == len(FSDP_OPTIMIZERS)  # refused under fsdp: the in-backward step, offload, torchao
+    assert not any(r["optimizer_in_backward"] or r["offload"] != "none" for r in rows)
     for r in rows[:3]:
         assert r["gpus"] == gpus_needed(config, method, 1, 2048, "bfloat16", "80GB", optimizer=r["optimizer"],
                                         offload=r["offload"])
@@ -95,6 +95,8 @@ def test_configurations_under_fsdp_list_the_gpus_each_needs():
     ({"distributed": "zero"}, ["--distributed 'zero'", "Fix"]),
     ({"distributed": "ddp", "optimizer_in_backward": True}, ["optimizer_in_backward", "before ddp", "Fix"]),
     ({"distributed": "fsdp", "optimizer_in_backward": True}, ["optimizer_in_backward", "before fsdp", "Fix"]),
+    ({"distributed": "fsdp", "offload": "cpu"}, ["offload=cpu", "before fsdp", "Fix"]),
+    ({"distributed": "fsdp", "optimizer": "adamw8bit"}, ["optimizer=adamw8bit under fsdp", "Fix"]),
 ])
 def test_refuses_what_training_refuses(kwargs, words):
     with pytest.raises(UserError) as err:

@@ -210,6 +210,7 @@ def test_hung_rank_ends_in_a_timeout_error(tmp_path):
     (["distributed=fsdp"], {}, "distributed: fsdp needs the processes torchrun starts"),
     (["distributed=fsdp", "method=hift"], {"RANK": "0", "WORLD_SIZE": "2"}, "cannot train method 'hift'"),
     (["distributed=fsdp", "optimizer=adamw8bit"], {"RANK": "0", "WORLD_SIZE": "2"}, "optimizer=adamw8bit"),
+    (["distributed=ddp", "optimizer_offload=cpu"], {"RANK": "0", "WORLD_SIZE": "2"}, "optimizer_offload: cpu"),
     (["distributed=ddp", "global_batch_size=6", "per_device_train_batch_size=2"], {"RANK": "0", "WORLD_SIZE": "4"},
      "global_batch_size: 6 is not a multiple of per_device_train_batch_size 2 x 4 processes"),
     (["global_batch_size=8", "gradient_accumulation_steps=2"], {}, "both set the batch"),
