@@ -1,6 +1,7 @@
 """Data: dataset files, chat templates, tokenisation, batching, the shipped tokenizer and task data.
 
-* `formats.load_examples`   - JSON/JSONL/builtin datasets -> normalised chat examples
+* `formats.load_examples`   - JSON/JSONL/builtin datasets, and tables through `datasets` (`tables`:
+                                hf:NAME, save_to_disk directories, parquet/arrow/csv) -> normalised chat examples
 * `templates.render_segments`, `templates.render_prompt` - examples -> text, with the loss mask
 * `collate.tokenize_dataset`, `collate.collate`, `collate.DataOrder` - tokens, batches, resumable order
 * `tokenizer.load_tokenizer` - the shipped BPE tokenizer or a local one

@@ -1,4 +1,6 @@
-"""Read a dataset file (JSON list or JSONL) into normalised chat examples.
+"""Read a data source into normalised chat examples: a JSON list or JSONL file, `builtin:NAME`, or a
+table read through `datasets` (`tables`: hf:NAME[:CONFIG][@SPLIT], a save_to_disk directory, a
+parquet, arrow or csv file), whose rows are taken exactly as JSON records.
 
 Accepted example formats, detected per example by its keys:
 
@@ -8,23 +10,28 @@ Accepted example formats, detected per example by its keys:
 * prompt/completion: {"prompt", "completion"} (strings, or lists of {"role", "content"} messages)
 * text:      {"text"}  (plain text, trained on every token)
 
-Every example becomes `{"messages": [...], "text": str | None, "source": "FILE:LINE", "answer": str | None}`.
+Every example becomes `{"messages": [...], "text": str | None, "source": "FILE:LINE", "answer": str | None}`
+(a table row's source is `SOURCE[INDEX]`, its 0-based row index).
 `messages` ends with the last assistant turn (turns after it carry no loss and are dropped), so
 `messages[:-1]` is the prompt and `answer` (the reference for exact-match eval) is `messages[-1]["content"]`.
 `builtin:NAME` reads `revffn/assets/data/NAME.jsonl`. Every problem raises one `UserError` naming
-FILE:LINE, the field and the fix.
+FILE:LINE (or SOURCE[INDEX]), the field and the fix.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+from revffn.data import tables
 from revffn.errors import UserError, closest
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets" / "data"
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+CHAT_KEYS = {"messages", "conversations", "instruction", "prompt", "completion"}  # a record's format: which it has
+FORMAT_KEYS = CHAT_KEYS | {"text"}
 FORMATS_HELP = ("accepted formats: alpaca {instruction, input?, output, system?}; sharegpt {conversations: "
                 "[{from, value}]}; messages {messages: [{role, content}]}; {prompt, completion}; {text}")
 
@@ -44,13 +51,13 @@ def _resolve(path: str, key: str) -> tuple[Path, str]:
         return BUILTIN_DIR / f"{name}.jsonl", path
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(f"{key}: file {path!r} not found. Fix: give the path of a .json or .jsonl file (relative "
-                        "to the working directory), or a builtin dataset such as 'builtin:quickstart_train'.")
+        raise tables.missing_file(path, key)
     return file, path
 
 
-def _records(file: Path, name: str) -> list[tuple[int, object]]:
-    """(line, parsed object) for every record: JSONL lines, or the elements of a top-level JSON list."""
+def _records(file: Path, name: str) -> Iterator[tuple[str, object]]:
+    """(NAME:LINE, parsed object) for every record: JSONL lines, or the elements of a top-level JSON list.
+    A generator, so a JSONL file is parsed a line at a time as the examples are normalised."""
     text = file.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
     if text.lstrip().startswith("["):
         try:
@@ -58,17 +65,17 @@ def _records(file: Path, name: str) -> list[tuple[int, object]]:
         except json.JSONDecodeError as e:
             raise UserError(f"{name}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno}). "
                             "Fix: correct the JSON syntax at that position.") from None
-        return list(zip(_element_lines(text), items))
-    records = []
+        yield from ((f"{name}:{line}", item) for line, item in zip(_element_lines(text), items))
+        return
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append((lineno, json.loads(line)))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{name}:{lineno}: invalid JSON line: {e.msg} (column {e.colno}). Fix: a JSONL file "
                             "holds one complete JSON object per line; a .json file holds one list [...].") from None
-    return records
+        yield f"{name}:{lineno}", record
 
 
 def _element_lines(text: str) -> list[int]:
@@ -145,8 +152,7 @@ def normalise(rec: object, where: str) -> dict:
     if not isinstance(rec, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__} {json.dumps(rec)[:60]}. "
                         f"Fix: make each example an object ({FORMATS_HELP}).")
-    chat_keys = {"messages", "conversations", "instruction", "prompt", "completion"}
-    if "text" in rec and not chat_keys & rec.keys():
+    if "text" in rec and not CHAT_KEYS & rec.keys():
         return {"messages": [], "text": _str(rec, "text", where), "source": where, "answer": None}
     msgs = _messages(rec, where)
     assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -161,13 +167,25 @@ def normalise(rec: object, where: str) -> dict:
     return {"messages": msgs, "text": None, "source": where, "answer": msgs[-1]["content"]}
 
 
+def _table_records(path: str, key: str) -> Iterator[tuple[str, dict]]:
+    """(SOURCE[INDEX], row) of a table source, once its columns are known to name a format."""
+    table = tables.load_table(path, key)
+    if not FORMAT_KEYS & set(table.column_names):
+        raise UserError(f"{key}: {path!r} has columns {table.column_names}, none of which any format reads. Fix: "
+                        f"rename its columns (Dataset.rename_column) to fit one of the {FORMATS_HELP}.")
+    return ((f"{path}[{i}]", row) for i, row in enumerate(tables.rows(table)))
+
+
 def load_examples(path: str, key: str = "data") -> list[dict]:
-    """All examples of a JSON/JSONL file or `builtin:NAME`, normalised; UserError on any bad record."""
-    file, name = _resolve(path, key)
+    """All examples of a data source (see the module docstring), normalised; UserError on any bad record."""
+    if tables.is_table(path):
+        records = _table_records(path, key)
+    else:
+        records = _records(*_resolve(path, key))
     try:
-        examples = [normalise(rec, f"{name}:{line}") for line, rec in _records(file, name)]
+        examples = [normalise(rec, where) for where, rec in records]
     except UserError as e:  # name the config key too, so the user knows which setting reads this file
         raise UserError(f"{key}: {e}") from None
     if not examples:
-        raise UserError(f"{key}: {name!r} holds no examples. Fix: add at least one example ({FORMATS_HELP}).")
+        raise UserError(f"{key}: {path!r} holds no examples. Fix: add at least one example ({FORMATS_HELP}).")
     return examples

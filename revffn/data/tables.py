@@ -1,0 +1,148 @@
+"""Tabular data through Hugging Face `datasets`: hub datasets, `save_to_disk` directories, parquet,
+arrow and csv files. `formats.load_examples` normalises their rows exactly as it does JSON records.
+
+    hf:NAME[:CONFIG][@SPLIT]  datasets.load_dataset(NAME, CONFIG, split=SPLIT or "train"); NAME is a hub
+                              dataset ID or a local directory of data files; SPLIT may slice (train[:1000])
+    DIR[@SPLIT]               a directory written by Dataset.save_to_disk, or DatasetDict.save_to_disk
+                              (its `train` split unless @SPLIT names another)
+    FILE.parquet|.arrow|.csv  datasets.load_dataset("parquet" | "arrow" | "csv", data_files=FILE)
+
+The table is memory-mapped Arrow (a hub or file source is converted once into the `datasets` cache,
+~/.cache/huggingface/datasets); `rows` reads it a batch at a time. The revffn CLI sets HF_HUB_OFFLINE=1
+unless the environment sets it, so a hub dataset is downloaded only under HF_HUB_OFFLINE=0; after that the
+cached copy loads offline. CSV has no types, so every CSV
+column is read as text (else an answer "007" would arrive as the integer 7); it holds only the flat
+formats (alpaca, prompt/completion with strings, text), since a cell cannot hold a list of turns.
+
+`datasets` is imported on first use: it costs about a second, and JSON data never needs it.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator
+from pathlib import Path
+
+from revffn.errors import UserError
+
+HF_PREFIX = "hf:"
+BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}  # file suffix -> datasets builder
+SOURCES_HELP = ("hf:NAME[:CONFIG][@SPLIT] (a hub dataset ID or a local directory of data files), a directory "
+                "written by save_to_disk (DIR[@SPLIT]), a .parquet, .arrow, .csv, .json or .jsonl file, or "
+                "builtin:NAME")
+
+
+def _saved_dir(ref: str) -> tuple[Path, str | None] | None:
+    """(directory, split) when `ref` is DIR or DIR@SPLIT of an existing directory, else None."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path, None
+    base, at, split = ref.rpartition("@")
+    if at and base and Path(base).expanduser().is_dir():
+        return Path(base).expanduser(), split
+    return None
+
+
+def is_table(ref: str) -> bool:
+    """True for the sources read here; the others are JSON files and `builtin:` sets."""
+    return ref.startswith(HF_PREFIX) or Path(ref).suffix.lower() in BUILDERS or _saved_dir(ref) is not None
+
+
+def load_table(ref: str, key: str):
+    """The `datasets.Dataset` that `ref` names (see the module docstring for the forms).
+
+    Raises:
+        UserError: naming `key`, when the source is missing, cannot be read, or lacks the split.
+    """
+    import datasets
+
+    try:
+        if ref.startswith(HF_PREFIX):
+            name, config, split = _hf_args(ref)
+            return datasets.load_dataset(name, config, split=split)
+        saved = _saved_dir(ref)
+        if saved is not None:
+            return _split_of(datasets.load_from_disk(str(saved[0])), saved[1], ref, key)
+        file = Path(ref).expanduser()
+        if not file.is_file():
+            raise missing_file(ref, key)
+        builder = BUILDERS[file.suffix.lower()]
+        features = _text_features(file) if builder == "csv" else None
+        return datasets.load_dataset(builder, data_files=str(file), split="train", features=features)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise UserError(_load_failure(ref, key, e)) from None
+
+
+def missing_file(ref: str, key: str) -> UserError:
+    """The error for a data file that does not exist (JSON ones included)."""
+    return UserError(f"{key}: file {ref!r} not found. Fix: give an existing file (relative to the working "
+                     f"directory), or another source: {SOURCES_HELP}.")
+
+
+def _hf_args(ref: str) -> tuple[str, str | None, str]:
+    """(NAME, CONFIG or None, SPLIT, default train) of hf:NAME[:CONFIG][@SPLIT]."""
+    rest, _, split = ref.removeprefix(HF_PREFIX).partition("@")
+    name, _, config = rest.partition(":")
+    return name, config or None, split or "train"
+
+
+def _split_of(loaded, split: str | None, ref: str, key: str):
+    """The Dataset of a `load_from_disk` result: a DatasetDict's `split` (default train), or the Dataset."""
+    if not hasattr(loaded, "keys"):  # a single Dataset
+        if split:
+            raise UserError(f"{key}: {ref!r} is a single Dataset with no splits. Fix: drop '@{split}'.")
+        return loaded
+    want = split or "train"
+    if want not in loaded:
+        base = ref.rpartition("@")[0] if split else ref
+        raise UserError(f"{key}: {ref!r} has no split {want!r}; it has {', '.join(loaded)}. Fix: name one, "
+                        f"e.g. {base}@{next(iter(loaded))}.")
+    return loaded[want]
+
+
+def _text_features(file: Path):
+    """Every column of a CSV file as text: CSV carries no types, and every field of every format is a string."""
+    import datasets
+
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({column: datasets.Value("string") for column in header}) if header else None
+
+
+def _load_failure(ref: str, key: str, error: Exception) -> str:
+    """One line for a source `datasets` could not load: its reason, and the fix for that form of source."""
+    lines = str(error).strip().splitlines()
+    reason = (lines[0] if lines else type(error).__name__).rstrip(".")
+    if ref.startswith(HF_PREFIX) and isinstance(error, ConnectionError):
+        import datasets
+
+        if datasets.config.HF_HUB_OFFLINE:  # the revffn CLI sets HF_HUB_OFFLINE=1 unless the user set it
+            return (f"{key}: {ref!r} is neither a local directory nor in the datasets cache, and downloading is "
+                    "off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE; revffn runs offline unless told otherwise). Fix: "
+                    "run once with "
+                    "HF_HUB_OFFLINE=0 (and HF_DATASETS_OFFLINE unset) to download it into the cache, or give a "
+                    "directory written by save_to_disk.")
+        return (f"{key}: cannot load {ref!r}: the Hub is not reachable ({reason}). Fix: download it once where it "
+                f"is, e.g. python -c \"import datasets; datasets.load_dataset('{_hf_args(ref)[0]}')\", then run "
+                "again; or give a directory written by save_to_disk.")
+    if ref.startswith(HF_PREFIX):
+        fix = "check NAME, CONFIG and SPLIT of hf:NAME[:CONFIG][@SPLIT] (NAME: a hub dataset ID or a local directory)"
+    elif _saved_dir(ref) is not None:
+        fix = ("give a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk, or hf:DIR for a "
+               "directory of data files")
+    else:
+        fix = f"give a valid {Path(ref).suffix} file (the suffix decides how it is read)"
+    return f"{key}: cannot load {ref!r}: {reason}. Fix: {fix}."
+
+
+def rows(table) -> Iterator[dict]:
+    """Each row of `table` as the object it was written from.
+
+    A table's columns are shared by all its rows, so a row of one format carries the other formats'
+    columns, and the optional fields it left out, as null: those keys are dropped, because the format
+    is recognised by which keys a record has.
+    """
+    for batch in table.iter(batch_size=1024):
+        columns = list(batch)
+        for values in zip(*batch.values()):
+            yield {column: value for column, value in zip(columns, values) if value is not None}
