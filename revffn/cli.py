@@ -338,12 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("model", help="builtin:base, a tiny preset or a local HF model directory")
     k.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
     k.add_argument("--calibration-data", default="self", help="self (sampled from the model: no data), a "
-                   "JSON/JSONL file or builtin:NAME; general text, not task data (default: %(default)s)")
+                   "data source (README: Data formats); general text, not task data (default: %(default)s)")
     k.add_argument("--calibration-tokens", type=_positive, default=32768, help="calibration tokens (default: "
                    "%(default)s, in rows of 128)")
     k.add_argument("--heal-steps", type=_nonnegative, default=0,
                    help="KL self-distillation steps on the adapters (0: none)")
-    k.add_argument("--heal-data", default="self", help="self, a file or builtin:NAME (default: %(default)s)")
+    k.add_argument("--heal-data", default="self", help="self or a data source (README: Data formats; "
+                   "default: %(default)s)")
     k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
     k.add_argument("--heal-lr", type=float, default=1e-3, help="heal AdamW peak LR (cosine to a tenth)")
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="loss, perplexity and exact-match accuracy on a data file")
     e.add_argument("model_dir")
-    e.add_argument("--data", required=True, help="JSON/JSONL file or builtin:NAME")
+    e.add_argument("--data", required=True, help="a data file (JSON/JSONL/parquet/arrow/csv), a save_to_disk "
+                   "directory, hf:NAME[:CONFIG][@SPLIT] or builtin:NAME")
     e.add_argument("--json", action="store_true")
     e.add_argument("--limit", type=int, default=None, help="score at most N examples by exact match")
     e.add_argument("--batch-size", type=_positive, default=16)

@@ -25,7 +25,8 @@ SCHEMA: dict[str, Key] = {
                  required=True),
     "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
     "method": Key(str, "revffn", "fine-tuning method (see the README's Methods table)"),
-    "data": Key(str, None, "training data: JSON/JSONL file, or builtin:NAME", required=True),
+    "data": Key(str, None, "training data: a JSON/JSONL/parquet/arrow/csv file, a save_to_disk directory, "
+                "hf:NAME[:CONFIG][@SPLIT] or builtin:NAME (README: Data formats)", required=True),
     "eval_data": Key((str, type(None)), None, "evaluation data (same formats); null for none"),
     "output_dir": Key(str, None, "where config, metrics, checkpoints, final/ and the report go", required=True),
     "overwrite": Key(bool, False, "allow starting a fresh run in an output_dir that holds one"),
