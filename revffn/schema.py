@@ -26,11 +26,19 @@ class Key:
     max: float | None = None
     choices: tuple | None = None
     required: bool = False
+    multiple: bool = False  # a comma-separated list of `choices` ("tensorboard,wandb"); a YAML list is joined
+
+
+def list_items(value: str) -> list[str]:
+    """The items of a `multiple` key's value, in order, without repeats: `"a, b,a"` -> `["a", "b"]`."""
+    return list(dict.fromkeys(item.strip() for item in value.split(",")))
 
 
 def coerce(value, key: Key):
-    """Accept what YAML users write: ints for floats, '1e-4' strings for floats."""
+    """Accept what YAML users write: ints for floats, '1e-4' strings for floats, a list for a `multiple` key."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if key.multiple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
     if float in types and isinstance(value, str):
         try:
             return float(value)
@@ -48,8 +56,11 @@ def check_value(name: str, value, key: Key) -> str | None:
         return f"{name}: expected {_type_names(types)}, got {value!r}."
     if not isinstance(value, types):
         return f"{name}: expected {_type_names(types)}, got {value!r} ({type(value).__name__})."
-    if key.choices and value not in key.choices:
-        return f"{name}: {value!r} is not one of {', '.join(map(str, key.choices))}.{closest(str(value), key.choices)}"
+    if key.choices:
+        for item in list_items(value) if key.multiple else [value]:
+            if item not in key.choices:
+                return (f"{name}: {item!r} is not one of {', '.join(map(str, key.choices))}."
+                        f"{closest(str(item), key.choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             return f"{name}: must be a finite number, got {value!r}."

@@ -15,6 +15,7 @@ import yaml
 
 from revffn.errors import UserError, closest
 from revffn.schema import Key, check_value, coerce
+from revffn.training.trackers import TRACKERS
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml"
 
@@ -35,6 +36,9 @@ SCHEMA: dict[str, Key] = {
     "save_total_limit": Key(int, 2, "checkpoints kept (older ones are deleted)", min=1),
     "eval_steps": Key(int, 0, "evaluate on eval_data every N steps (0: only at the end)", min=0),
     "logging_steps": Key(int, 1, "log metrics every N steps", min=1),
+    "report_to": Key(str, "none", "trackers that also get every metrics line, comma-separated: none | tensorboard "
+                     "(output_dir/tensorboard) | wandb | mlflow (configured by their WANDB_* / MLFLOW_* variables)",
+                     choices=("none", *TRACKERS), multiple=True),
     "seed": Key(int, 0, "seed for init, data order and dropout"),
     "resume": Key((bool, str), False, "false | true (latest checkpoint in output_dir) | a checkpoint path"),
     "max_restarts": Key(int, 0, "restart from the last checkpoint after an unexpected crash, up to N times", min=0),

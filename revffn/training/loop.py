@@ -4,16 +4,17 @@
     revffn train configs/x.yaml max_steps=100 revffn.adapter_warmup_steps=20
 
 `train` reads top to bottom: prepare (validate, no allocation) -> `Recipe.setup` (build, resume,
-open metrics.jsonl and the progress bar) -> `Recipe.train` (the step loop: `train_step`, then a
-metrics line, an eval and a checkpoint on their cadence) -> `Recipe.export` (final/) -> report.
-The metrics file and the bar are closed, and the report written, on every path, errors included.
+open metrics.jsonl, the progress bar and the `report_to` trackers) -> `Recipe.train` (the step loop:
+`train_step`, then a metrics line, an eval and a checkpoint on their cadence) -> `Recipe.export`
+(final/) -> report. The metrics file, the bar and the trackers are closed, and the report written, on
+every path, errors included.
 
 Under torchrun (`distributed: ddp | fsdp`, `training.parallel`) every rank runs this loop on its
 share of each global batch (`data.collate.shard_rows`); rank 0 alone writes the run's files
-(config.yaml, metrics.jsonl, final/, the report) and shows the bar. Under DDP each rank holds the
-whole model and optimizer, so rank 0's ordinary checkpoint is the run's; under FSDP every rank
-writes its shards of a DCP checkpoint, evaluates with the others, and takes part in gathering the
-model that rank 0 exports. Peak memory is the max over ranks. A job torchrun restarts
+(config.yaml, metrics.jsonl, final/, the report), feeds the trackers and shows the bar. Under DDP
+each rank holds the whole model and optimizer, so rank 0's ordinary checkpoint is the run's; under
+FSDP every rank writes its shards of a DCP checkpoint, evaluates with the others, and takes part in
+gathering the model that rank 0 exports. Peak memory is the max over ranks. A job torchrun restarts
 (`--max-restarts`) resumes from the last checkpoint (`setup.resolve_launch`).
 """
 
@@ -50,6 +51,7 @@ from revffn.training.parallel import (
 from revffn.training.report import write_run_report
 from revffn.training.setup import clear_run, model_overrides, prepare_run, resolve_launch, saved_config_text
 from revffn.training.step import StepResult, build_run, train_step
+from revffn.training.trackers import Trackers
 
 Fault = Callable[[str, int], None]
 """Test hook `fault(point, step)`: called after each optimizer step ("step") and in the middle of
@@ -71,13 +73,14 @@ class _Window:
 
 
 class Recipe:
-    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file and the bar."""
+    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the trackers."""
 
     def __init__(self, cfg, plan, fault: Fault | None = None):
         self.cfg, self.plan, self.fault = cfg, plan, fault
         self.step, self.stage = 0, None
         self.main = is_main_process()  # rank 0 (or the only process): writes the run's files
-        self._open = contextlib.ExitStack()  # the metrics file and the bar
+        self._open = contextlib.ExitStack()  # the metrics file, the bar and the trackers
+        self.failed = False  # how `cleanup` finishes the trackers' runs
 
     def setup(self) -> None:
         cfg, plan = self.cfg, self.plan
@@ -87,6 +90,9 @@ class Recipe:
         self.order = DataOrder(len(plan.train_set.items), cfg.seed)
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
+        if self.main:  # before the bar: wandb and mlflow print as they start
+            self.trackers = Trackers(cfg, plan.run_dir, self.step)
+            self._open.callback(lambda: self.trackers.close(self.failed))
         self.bar = self._open.enter_context(tqdm(total=cfg.max_steps, initial=self.step, desc=f"{cfg.method}",
                                                  dynamic_ncols=True, disable=None if self.main else True,
                                                  file=sys.stderr))
@@ -154,9 +160,10 @@ class Recipe:
         self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
 
     def _write(self, rec: dict, train_loss: float) -> None:
-        """Rank 0: the line to metrics.jsonl, and the bar's postfix."""
+        """Rank 0: the line to metrics.jsonl and the trackers, and the bar's postfix."""
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
+        self.trackers.log(rec)
         self.bar.set_postfix(loss=f"{train_loss:.3f}", stage=self.stage, tok_s=f"{rec['tokens_per_s']:.0f}",
                              mem=f"{rec['peak_mem_bytes'] / 2**30:.2f}G")
 
@@ -196,8 +203,9 @@ class Recipe:
         barrier()
         return final
 
-    def cleanup(self) -> None:
-        """Close the bar and the metrics file (idempotent)."""
+    def cleanup(self, failed: bool = False) -> None:
+        """Close the bar, the metrics file and the trackers (idempotent); `failed` marks the trackers' runs failed."""
+        self.failed = failed
         self._open.close()
 
 
@@ -232,7 +240,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
         summary.update(status="error", error=f"{type(e).__name__}: {e}")
         raise
     finally:
-        recipe.cleanup()
+        recipe.cleanup(failed=summary["status"] != "ok")
         if main:
             with contextlib.suppress(Exception):
                 write_run_report(plan.run_dir, summary)

@@ -21,9 +21,10 @@ from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import is_sharded_checkpoint, latest_checkpoint, read_trainer_state
 from revffn.training.optim import check_optimizer
 from revffn.training.parallel import launched_world, pick_distributed
+from revffn.training.trackers import check_trackers
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
-             "events.jsonl")
+             "events.jsonl", "tensorboard")
 
 
 @dataclass
@@ -154,6 +155,7 @@ def prepare_run(cfg) -> RunPlan:
     if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
         raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
                         "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
+    check_trackers(cfg)
     device, weights, autocast = pick_device(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = load_tokenizer(tokenizer_ref(cfg))

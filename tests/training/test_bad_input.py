@@ -1,6 +1,7 @@
 """Bad input: one clear message naming FILE:LINE or the key, exit code 2, nothing written."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,28 @@ def test_unknown_method_key_suggests_closest(tmp_path, capsys):
     ("learning_rate", -1e-3, "learning_rate: must be > 0"),
     ("per_device_train_batch_size", 0, "per_device_train_batch_size: must be >= 1"),
     ("lr_scheduler_type", "cosin", "Did you mean 'cosine'"),
+    ("report_to", "tensorbord", "report_to: 'tensorbord' is not one of none, tensorboard, wandb, mlflow. Did you mean "
+                                "'tensorboard'?"),
+    ("report_to", "tensorboard,wandbb", "report_to: 'wandbb' is not one of"),
 ])
 def test_wrong_type_or_range(tmp_path, capsys, key, value, needle):
     p = _cfg(tmp_path, **{key: value})
     _fails(capsys, ["train", str(p)], needle)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("report_to,message", [
+    ("wandb", "report_to: 'wandb' needs the wandb package, which is not installed. Fix: pip install wandb (every "
+              "tracker: pip install 'revffn[track]'), or remove wandb from report_to."),
+    ("tensorboard,mlflow", "needs the tensorboard, mlflow packages, which are not installed. Fix: pip install "
+                           "tensorboard mlflow"),
+])
+def test_missing_tracker_package(tmp_path, capsys, monkeypatch, report_to, message):
+    """A tracker whose package is not installed stops the run before anything is written or built."""
+    for name in ("tensorboard", "wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    err = _fails(capsys, ["train", str(_cfg(tmp_path, report_to=report_to))], message)
+    assert len([line for line in err.splitlines() if "report_to" in line]) == 1
     assert not (tmp_path / "run").exists()
 
 
