@@ -213,7 +213,8 @@ def cmd_validate(args) -> int:
 
 
 def _load_for_cli(model_dir: str, seed: int = 0):
-    """A final/ directory, any HF directory, builtin:base, or a tiny preset (random init, shipped tokenizer)."""
+    """A final/ directory, any HF directory, a Hub ID, builtin:base, or a tiny preset (random init, shipped
+    tokenizer)."""
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.causal_lm import CausalLM
     from revffn.models.loading import check_model_ref, load, load_hf, resolve_model_ref
@@ -223,7 +224,7 @@ def _load_for_cli(model_dir: str, seed: int = 0):
     if model_dir in TINY_PRESETS:
         tok = load_tokenizer(None)
         return CausalLM(load_hf(model_dir, seed=seed, vocab_size=len(tok))).eval(), tok
-    model_dir = resolve_model_ref(model_dir)
+    model_dir = resolve_model_ref(model_dir, "MODEL_DIR")
     return load(model_dir), load_tokenizer(model_dir)
 
 
@@ -388,7 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,4 +1,5 @@
-"""Tokenizer loading: the shipped byte-level BPE tokenizer, or a local HF tokenizer directory.
+"""Tokenizer loading: the shipped byte-level BPE tokenizer, a local HF tokenizer directory or a Hub ID's
+(from the Hugging Face cache, `models.hub`).
 
 The shipped tokenizer (`SHIPPED_TOKENIZER`, built by `scripts/build_tokenizer.py`) has 2048 tokens
 and these special tokens (`SPECIAL_TOKENS`, ids in order):
@@ -20,6 +21,9 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from revffn.errors import UserError
+from revffn.models.hub import parse_hub_id, snapshot
+from revffn.models.loading import resolve_model_ref
+from revffn.models.presets import TINY_PRESETS
 
 SHIPPED_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
 
@@ -39,11 +43,14 @@ CHAT_TEMPLATE = (
 
 
 def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTrainedTokenizerFast:
-    """The shipped tokenizer (`path=None`) or the one in local directory `path`; never downloads.
+    """The shipped tokenizer (`path=None`), the one in local directory `path`, or a Hub ID's (`ORG/NAME`:
+    its tokenizer files from the cache, downloaded unless offline).
 
     pad_token falls back to eos_token when the tokenizer has none (padding is masked anyway).
     """
     where = SHIPPED_TOKENIZER if path is None else str(Path(path).expanduser())
+    if path is not None and not Path(where).is_dir() and parse_hub_id(path):
+        where = snapshot(path, key, weights=False)
     if not Path(where).is_dir():
         raise UserError(f"{key}: directory {path!r} not found. Fix: give a local directory holding tokenizer.json "
                         f"(e.g. the model directory), or leave {key} unset for the shipped tokenizer.")
@@ -59,3 +66,11 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def model_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer training uses for `model`: `tokenizer` when set, else the model's own (its directory,
+    `builtin:base`'s, a Hub ID's), else, for a tiny preset, the shipped one."""
+    if tokenizer:
+        return load_tokenizer(tokenizer)
+    return load_tokenizer(None if model in TINY_PRESETS else resolve_model_ref(model, weights=False))

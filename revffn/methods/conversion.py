@@ -17,11 +17,9 @@ import torch
 
 from revffn.data.calibration import SELF, calibration_rows, heal_batches, is_task_data, row_batches
 from revffn.data.formats import load_examples
-from revffn.data.tokenizer import load_tokenizer
+from revffn.data.tokenizer import model_tokenizer
 from revffn.models.calibrate import calibrate
 from revffn.models.heal import heal
-from revffn.models.loading import resolve_model_ref
-from revffn.models.presets import TINY_PRESETS
 
 
 def log_line(line: str) -> None:
@@ -31,11 +29,6 @@ def log_line(line: str) -> None:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def model_tokenizer(model_ref: str, tokenizer: str | None = None):
-    """The tokenizer training uses for `model_ref`: `tokenizer`, else the model's own, else the shipped one."""
-    return load_tokenizer(tokenizer or (None if model_ref in TINY_PRESETS else resolve_model_ref(model_ref)))
 
 
 def check_source(source: str, key: str, training_data: tuple[str | None, ...] = (), log=log_line) -> None:

@@ -87,13 +87,13 @@ class RevFFNMethod(Method):
                             f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")
         if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
             from revffn.data.calibration import file_rows
-            from revffn.methods.conversion import model_tokenizer
+            from revffn.data.tokenizer import model_tokenizer
 
             file_rows(opts["calibration_data"], model_tokenizer(cfg.model, cfg.tokenizer), opts["calibration_tokens"],
                       "revffn.calibration_data", budget_key="revffn.calibration_tokens")
         if opts["adapter_warmup_steps"] and opts["heal_data"] not in (SELF, TASK):
             from revffn.data.calibration import file_rows
-            from revffn.methods.conversion import model_tokenizer
+            from revffn.data.tokenizer import model_tokenizer
 
             file_rows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer), None, "revffn.heal_data")
 
@@ -130,7 +130,8 @@ class RevFFNMethod(Method):
         cfg, opts = self.cfg, self.opts
         if opts["adapter_warmup_steps"] and opts["heal_data"] != TASK:
             from revffn.data.calibration import StepRows
-            from revffn.methods.conversion import check_source, model_tokenizer
+            from revffn.data.tokenizer import model_tokenizer
+            from revffn.methods.conversion import check_source
 
             check_source(opts["heal_data"], "revffn.heal_data", (cfg.data, cfg.eval_data))
             self.heal_rows = StepRows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer),

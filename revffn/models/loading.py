@@ -6,9 +6,11 @@ A reference is one of (`model_kind`):
 - ``config``: a config-only geometry (`qwen1.5-moe-a2.7b`, ... in `models/geometries/`): a public
   model's config without weights (estimate, bench and check build it with random init);
 - ``shipped``: a model shipped in the package (`builtin:base`);
-- ``dir``: a local HF `save_pretrained` directory with config.json (a run's `final/` included).
+- ``dir``: a local HF `save_pretrained` directory with config.json (a run's `final/` included);
+- ``hub``: a Hugging Face Hub ID `ORG/NAME[@REVISION]` that is not a local directory: resolved to its
+  snapshot in huggingface_hub's cache (`models.hub`), downloaded unless `HF_HUB_OFFLINE=1`.
 
-Nothing is downloaded.
+`model_kind` never touches the network; `resolve_model_ref` turns any reference into a directory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from revffn.errors import UserError, closest
+from revffn.models.hub import parse_hub_id, snapshot
 from revffn.models.presets import TINY_PRESETS, tiny_config, tiny_model
 
 SHIPPED_MODELS = {"builtin:base": Path(__file__).resolve().parent.parent / "assets" / "base"}
@@ -40,44 +43,69 @@ def config_presets() -> list[str]:
     return sorted(p.stem for p in GEOMETRY_DIR.glob("*.json"))
 
 
-def resolve_model_ref(model: str) -> str:
-    """`builtin:base` -> the shipped base model's directory; any other reference unchanged."""
-    return str(SHIPPED_MODELS[model]) if model in SHIPPED_MODELS else model
-
-
-def model_kind(model: str, key: str = "model", allow: tuple[str, ...] = ("tiny", "config", "shipped", "dir")) -> str:
-    """'tiny', 'config', 'shipped' or 'dir' (see the module docstring).
+def resolve_model_ref(model: str, key: str = "model", weights: bool = True) -> str:
+    """The directory a reference names: `builtin:base` -> the shipped base model; a Hub ID -> its snapshot
+    in the Hugging Face cache (`weights=False`: configs and tokenizer only), downloaded if missing unless
+    offline; any other reference unchanged.
 
     Raises:
-        UserError: naming `key`, when `model` is none of the kinds in `allow`.
+        UserError: naming `key`, when a Hub ID cannot be resolved or lacks config.json or safetensors weights.
+    """
+    if model in SHIPPED_MODELS:
+        return str(SHIPPED_MODELS[model])
+    if Path(model).expanduser().is_dir() or parse_hub_id(model) is None:
+        return model
+    path = Path(snapshot(model, key, weights))
+    _check_model_dir(path, model, key)
+    if weights and not any(path.glob("*.safetensors")):
+        raise UserError(f"{key}: {model!r} has no *.safetensors weights on the Hub (revffn loads safetensors "
+                        f"only). Fix: convert its weights to safetensors in a local directory and point {key} "
+                        "there.")
+    return str(path)
+
+
+def _check_model_dir(path: Path, model: str, key: str) -> None:
+    if not (path / "config.json").is_file():
+        raise UserError(f"{key}: {model!r} has no config.json. Fix: point {key} at a directory written by "
+                        "save_pretrained (it holds config.json and *.safetensors), or a Hub ID of such a model.")
+
+
+def model_kind(model: str, key: str = "model",
+               allow: tuple[str, ...] = ("tiny", "config", "shipped", "dir", "hub")) -> str:
+    """'tiny', 'config', 'shipped', 'dir' or 'hub' (see the module docstring); never touches the network.
+
+    Raises:
+        UserError: naming `key`, when `model` is none of the kinds in `allow` (a malformed Hub ID included).
     """
     kinds = {"tiny": list(TINY_PRESETS), "config": config_presets(), "shipped": list(SHIPPED_MODELS)}
-    names = [n for kind in allow if kind != "dir" for n in kinds[kind]]
+    names = [n for kind in allow if kind not in ("dir", "hub") for n in kinds[kind]]
     for kind in ("tiny", "config", "shipped"):
         if model in kinds[kind] and kind in allow:
             return kind
     path = Path(model).expanduser()
     if "dir" in allow and path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{key}: {model!r} has no config.json. Fix: point {key} at a directory written by "
-                            "save_pretrained (it holds config.json and *.safetensors).")
+        _check_model_dir(path, model, key)
         return "dir"
-    where = " or a local HF model directory" if "dir" in allow else ""
+    if "hub" in allow and parse_hub_id(model):
+        return "hub"
+    where = ", a local HF model directory" if "dir" in allow else ""
+    where += ", a Hugging Face Hub ID (ORG/NAME)" if "hub" in allow else ""
     if model.startswith("builtin:"):
         others = ", ".join(n for n in names if n not in SHIPPED_MODELS)
         raise UserError(f"{key}: unknown shipped model {model!r}.{closest(model, SHIPPED_MODELS)} Fix: use "
                         f"{', '.join(SHIPPED_MODELS)}, or one of {others}{where}.")
-    hint = closest(model, names)
-    if "/" in model and not model.startswith((".", "/", "~")) and "dir" in allow:
-        raise UserError(f"{key}: {model!r} is not a local directory. revffn never downloads. Fix: download the "
-                        f"model yourself and give its local path, or use one of {', '.join(names)}.")
-    raise UserError(f"{key}: unknown model {model!r}.{hint} Fix: use one of {', '.join(names)}{where}.")
+    if "/" in model and "hub" in allow:  # a path that does not exist, or a malformed Hub ID
+        raise UserError(f"{key}: {model!r} is neither a local directory nor a Hugging Face Hub ID (ORG/NAME or "
+                        "ORG/NAME@REVISION; letters, digits, '-', '_', '.'). Fix: give an existing directory holding "
+                        "config.json, or a Hub ID such as Qwen/Qwen1.5-MoE-A2.7B.")
+    raise UserError(f"{key}: unknown model {model!r}.{closest(model, names)} Fix: use one of {', '.join(names)}"
+                    f"{where}.")
 
 
 def check_model_ref(model: str, key: str = "model") -> None:
-    """Raise a UserError unless `model` is a model that can be trained (tiny preset, shipped model or
-    local directory; a config-only geometry has no weights)."""
-    model_kind(model, key, allow=("tiny", "shipped", "dir"))
+    """Raise a UserError unless `model` is a model that can be trained (tiny preset, shipped model, local
+    directory or Hub ID; a config-only geometry has no weights). Never touches the network."""
+    model_kind(model, key, allow=("tiny", "shipped", "dir", "hub"))
 
 
 def hf_config(model: str, **overrides):
@@ -92,8 +120,8 @@ def hf_config(model: str, **overrides):
                   if not k.startswith("_")}
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
     else:
-        config = transformers.AutoConfig.from_pretrained(resolve_model_ref(model), local_files_only=True,
-                                                         **overrides)
+        config = transformers.AutoConfig.from_pretrained(resolve_model_ref(model, weights=False),
+                                                         local_files_only=True, **overrides)
     config.name_or_path = model
     return config
 
@@ -137,29 +165,30 @@ def random_init(model: str, dtype: torch.dtype, seed: int, device: torch.device 
     return hf.to(dtype)
 
 
-def is_converted(model: str) -> bool:
-    """True for a directory holding a RevFFN-converted model (`revffn convert`, a revffn run's final/):
-    its revffn.json says `format: revffn`."""
-    manifest = Path(resolve_model_ref(str(model))).expanduser() / "revffn.json"
+def is_converted(model: str, key: str = "model") -> bool:
+    """True for a directory (or Hub ID) holding a RevFFN-converted model (`revffn convert`, a revffn run's
+    final/): its revffn.json says `format: revffn`."""
+    manifest = Path(resolve_model_ref(str(model), key, weights=False)).expanduser() / "revffn.json"
     return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
 
 
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):
-    """An HF causal LM from a tiny preset (random init), a shipped model or a local directory (offline).
+    """An HF causal LM from a tiny preset (random init), a shipped model, a local directory or a Hub ID
+    (`resolve_model_ref`: from the cache, downloaded unless offline).
 
     A converted directory (`is_converted`) loads as the `RevFFNForCausalLM` it holds (`load`), in
     train mode: only the revffn method accepts it (`Method.ACCEPTS_CONVERTED`)."""
     check_model_ref(model)
     if model in TINY_PRESETS:
         return tiny_model(model, seed=seed, dtype=dtype, **config_overrides)
-    if is_converted(model):
+    path = resolve_model_ref(model)
+    if is_converted(path):
         if config_overrides:
             raise UserError(f"model_config: {model!r} holds a converted RevFFN model; its geometry is fixed. Fix: "
                             "remove model_config, or convert the base model again with the overrides.")
-        return load(model, dtype=dtype).train()
+        return load(path, dtype=dtype).train()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = resolve_model_ref(model)
     config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
     return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
 
@@ -170,13 +199,13 @@ def build_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, devi
     init for config-only geometries (built on `device` directly: they can be large) and for directories
     whose hidden size is overridden."""
     kind = model_kind(model)
-    if kind == "config" or (kind in ("dir", "shipped") and "hidden_size" in overrides):
+    if kind == "config" or (kind in ("dir", "shipped", "hub") and "hidden_size" in overrides):
         return random_init(model, dtype, seed, device, **overrides)
     return load_hf(model, dtype=dtype, seed=seed, **overrides)
 
 
 def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """A model from a run's `final/` (or any save_pretrained) directory, ready for eval and generation.
+    """A model from a run's `final/` (or any save_pretrained) directory or a Hub ID, ready for eval and generation.
 
     `final/revffn.json` says how it was written: `format: hf` (a plain HF directory: full, ckpt, hift,
     and LoRA/DoRA/ReFTA merged) or `format: revffn` (base HF config + the converted weights). Weights

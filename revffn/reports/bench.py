@@ -55,9 +55,10 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     import torch
 
     from revffn.methods import method_class
-    from revffn.models.loading import model_kind
+    from revffn.models.loading import model_kind, resolve_model_ref
 
-    model_kind(spec.model, "--model")
+    if model_kind(spec.model, "--model") == "hub":  # fetched once, here: the workers read the cache offline
+        resolve_model_ref(spec.model, "--model", weights=spec.hidden is None)
     for m in spec.methods:
         method_class(split_label(m)[0], key="--methods")
     if not spec.methods:

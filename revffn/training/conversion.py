@@ -25,6 +25,7 @@ from safetensors.torch import save_model
 
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
+from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
 from revffn.methods.base import write_manifest
 from revffn.methods.conversion import (
@@ -32,7 +33,6 @@ from revffn.methods.conversion import (
     check_source,
     heal_model,
     log_line,
-    model_tokenizer,
     peak_rss_bytes,
 )
 from revffn.models.causal_lm import CausalLM
@@ -65,7 +65,7 @@ class ConvertSpec:
 def validate(spec: ConvertSpec):
     """Every check that needs no model; returns the tokenizer. Raises UserError naming the flag."""
     check_model_ref(spec.model, "MODEL")
-    if is_converted(spec.model):
+    if is_converted(spec.model, "MODEL"):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
     parse_dtype(spec.stream_dtype, "--stream-dtype")
     if spec.heal_hidden_coef < 0:
@@ -77,7 +77,7 @@ def validate(spec: ConvertSpec):
                         "directory, or --overwrite to replace it.")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {spec.out!r} is a file. Fix: give a directory path.")
-    tokenizer = model_tokenizer(spec.model)
+    tokenizer = model_tokenizer(spec.model)  # (a Hub ID: its tokenizer files only, not the weights yet)
     if spec.calibration_data != SELF:
         file_rows(spec.calibration_data, tokenizer, spec.calibration_tokens, "--calibration-data",
                   budget_key="--calibration-tokens")

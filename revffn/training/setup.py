@@ -16,7 +16,7 @@ import yaml
 
 from revffn.errors import UserError
 from revffn.methods import method_class
-from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
+from revffn.models.loading import check_model_ref, is_converted
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import is_sharded_checkpoint, latest_checkpoint, read_trainer_state
 from revffn.training.optim import check_optimizer
@@ -124,12 +124,6 @@ def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
     return device, weights, autocast
 
 
-def tokenizer_ref(cfg) -> str | None:
-    if cfg.tokenizer:
-        return cfg.tokenizer
-    return None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model)
-
-
 def check_converted(cfg) -> None:
     """A converted model directory (`revffn convert`) trains only with a method that accepts it as it is."""
     from revffn.methods import METHODS, method_class
@@ -144,7 +138,7 @@ def prepare_run(cfg) -> RunPlan:
     """Validate everything that can be validated without a model. Writes nothing."""
     from revffn.data.collate import tokenize_dataset
     from revffn.data.formats import load_examples
-    from revffn.data.tokenizer import load_tokenizer
+    from revffn.data.tokenizer import model_tokenizer
 
     check_model_ref(cfg.model)
     check_converted(cfg)
@@ -158,7 +152,7 @@ def prepare_run(cfg) -> RunPlan:
     check_trackers(cfg)
     device, weights, autocast = pick_device(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
-    tokenizer = load_tokenizer(tokenizer_ref(cfg))
+    tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
     eval_set = None
     if cfg.eval_data:
