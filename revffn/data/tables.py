@@ -8,9 +8,9 @@ arrow and csv files. `formats.load_examples` normalises their rows exactly as it
     FILE.parquet|.arrow|.csv  datasets.load_dataset("parquet" | "arrow" | "csv", data_files=FILE)
 
 The table is memory-mapped Arrow (a hub or file source is converted once into the `datasets` cache,
-~/.cache/huggingface/datasets); `rows` reads it a batch at a time. The revffn CLI sets HF_HUB_OFFLINE=1
-unless the environment sets it, so a hub dataset is downloaded only under HF_HUB_OFFLINE=0; after that the
-cached copy loads offline. CSV has no types, so every CSV
+~/.cache/huggingface/datasets); `rows` reads it a batch at a time. A hub dataset is downloaded as
+`load_dataset` does, unless HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set: then the cached copy alone
+loads. CSV has no types, so every CSV
 column is read as text (else an answer "007" would arrive as the integer 7); it holds only the flat
 formats (alpaca, prompt/completion with strings, text), since a cell cannot hold a list of turns.
 
@@ -116,12 +116,10 @@ def _load_failure(ref: str, key: str, error: Exception) -> str:
     if ref.startswith(HF_PREFIX) and isinstance(error, ConnectionError):
         import datasets
 
-        if datasets.config.HF_HUB_OFFLINE:  # the revffn CLI sets HF_HUB_OFFLINE=1 unless the user set it
+        if datasets.config.HF_HUB_OFFLINE:
             return (f"{key}: {ref!r} is neither a local directory nor in the datasets cache, and downloading is "
-                    "off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE; revffn runs offline unless told otherwise). Fix: "
-                    "run once with "
-                    "HF_HUB_OFFLINE=0 (and HF_DATASETS_OFFLINE unset) to download it into the cache, or give a "
-                    "directory written by save_to_disk.")
+                    "off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE). Fix: run once with network and without them "
+                    "to download it into the cache, or give a directory written by save_to_disk.")
         return (f"{key}: cannot load {ref!r}: the Hub is not reachable ({reason}). Fix: download it once where it "
                 f"is, e.g. python -c \"import datasets; datasets.load_dataset('{_hf_args(ref)[0]}')\", then run "
                 "again; or give a directory written by save_to_disk.")
