@@ -161,6 +161,12 @@ def estimate_fields(args: dict) -> dict:
             "est_trainable_params": est["trainable_params"]}
 
 
+# glibc's malloc raises its mmap threshold to the size of each large block freed, after which blocks
+# of that size stay resident once freed: with FSDP's per-unit gather and reduce-scatter buffers a
+# rank's RSS then grows step after step far past what its tensors hold (on CPU: 2x). A fixed
+# threshold returns every block over 128 KiB on free, so peak RSS follows the tensors; an --nproc
+# bench sets it for the ranks and their one-process twin alike.
+NPROC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
                   "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total")
 
@@ -183,7 +189,7 @@ def worker_command(args: dict) -> list[str]:
 def run_worker(args: dict, timeout: float | None = None) -> dict:
     """One method in fresh processes (one, or torchrun's `nproc` ranks); a crash, a timeout or garbage
     output is an `error` row."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, **args.get("env", {}), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(worker_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -251,12 +257,16 @@ def _progress(i: int, n: int, label: str, row: dict) -> None:
     print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
 
 
-def measure(spec: BenchSpec, method: str, runner: Runner | None = None) -> dict:
-    """One result row: the worker's measurement (`runner`, default `run_worker`), its static bytes, and
-    the estimate. With `spec.nproc` > 1, each rank's static bytes and the same method in one process
-    (`one_process`, measured first), to which each rank's static bytes and peak are compared."""
-    one = measure(replace(spec, nproc=1, distributed="none"), method, runner) if spec.nproc > 1 else None
-    args = worker_args(spec, method)
+def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dict | None = None) -> dict:
+    """One result row: the worker's measurement (`runner`, default `run_worker`; `env`: extra
+    environment of its processes), its static bytes, and the estimate. With `spec.nproc` > 1, each
+    rank's static bytes and the same method in one process (`one_process`, measured first), to which
+    each rank's static bytes and peak are compared; both under `NPROC_ENV`."""
+    one = None
+    if spec.nproc > 1:
+        env = NPROC_ENV
+        one = measure(replace(spec, nproc=1, distributed="none"), method, runner, env)
+    args = {**worker_args(spec, method), **({"env": env} if env else {})}
     row = {**(runner or run_worker)(args, spec.timeout), "method": method}  # the label: variants stay apart
     if row.get("status") == "ok":
         ranks = row.get("ranks") or [row]
@@ -332,7 +342,7 @@ def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
 def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | None = None) -> dict:
     """Every method of `spec`, one fresh process each (`runner`: how one is measured, default
     `run_worker`); the bench.json document."""
-    info = run_info(spec, argv)
+    info = run_info(spec, argv, **({"worker_env": NPROC_ENV} if spec.nproc > 1 else {}))
     rows = []
     for i, m in enumerate(spec.methods, 1):
         rows.append(measure(spec, m, runner))

@@ -184,6 +184,12 @@ def ranks_markdown(data: dict) -> str:
                                        "the imports (a rank's includes the process group and the gathered units)")
              + ". `--batch` is per rank: every rank steps batch x seq tokens of its own, and the one-process run "
              "steps one such batch, so its activations are one rank's; tokens/s of all ranks is their sum."]
+    env = data["run_info"].get("worker_env")
+    if env and not cuda:
+        notes += ["", "Every process ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + ": with glibc's "
+                  "default, a freed block raises malloc's mmap threshold and later blocks of its size stay resident "
+                  "once freed, so a rank's RSS grows step after step past what its tensors hold (FSDP's gather and "
+                  "reduce-scatter buffers); fixed, peak RSS follows the tensors (`revffn.reports.bench.NPROC_ENV`)."]
     bad = [{**r["one_process"], "method": f"{r['method']} (1 process)"} for r in rows
            if (r.get("one_process") or {}).get("status") not in (None, "ok")]
     return "\n".join(lines + by_kind + speed + notes + failures(rows + bad)) + "\n"
