@@ -163,7 +163,8 @@ def estimate_fields(args: dict) -> dict:
 
 # glibc's malloc raises its mmap threshold to the size of each large block freed, after which blocks
 # of that size stay resident once freed: with FSDP's per-unit gather and reduce-scatter buffers a
-# rank's RSS then grows step after step far past what its tensors hold (on CPU: 2x). A fixed
+# rank's RSS then grows step after step past what its tensors hold (docs/bench_fsdp's full: 381 MiB
+# peak per rank, 60 MiB of tensors held between steps; 211 MiB with the fixed threshold). A fixed
 # threshold returns every block over 128 KiB on free, so peak RSS follows the tensors; an --nproc
 # bench sets it for the ranks and their one-process twin alike.
 NPROC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}

@@ -211,6 +211,7 @@ def plot_ranks(data: dict, path: Path) -> None:
                 ax.text(x + dx, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(xs), [r["method"] for r in rows])
         ax.set_ylabel(label)
+        ax.margins(y=0.25)  # room for the legend above the bars
         ax.legend(fontsize=8)
     fig.suptitle(describe(data), fontsize=8)
     fig.tight_layout()
