@@ -72,8 +72,12 @@ def cmd_bench(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
     spec = resolve(BenchSpec(args.model, methods, args.layers, args.hidden, args.batch, args.seq, args.steps,
-                             args.dtype, args.device, args.seed, args.threads, list(args.set), args.timeout))
+                             args.dtype, args.device, args.seed, args.threads, list(args.set), args.timeout,
+                             args.nproc, args.distributed))
     if args.sweep:
+        if spec.nproc > 1:
+            raise UserError(f"--sweep with --nproc {spec.nproc}: a sweep runs in one process per point. Fix: "
+                            "--nproc 1, or one bench per value without --sweep.")
         var, values = parse_sweep(args.sweep)
         data = run_sweep(spec, var, values, args.argv)
         names = ", ".join(write_sweep(data, args.out))
@@ -289,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="training-config override for every method, e.g. revffn.stream_dtype=bfloat16")
     b.add_argument("--timeout", type=float, default=None, help="seconds per method before it counts as an error")
+    b.add_argument("--nproc", type=int, default=1, help="torchrun ranks per method (--batch is per rank); with 2 "
+                   "or more, each method is also measured in one process, for the per-rank ratio")
+    b.add_argument("--distributed", default=None, help="fsdp (default with --nproc 2+) | ddp")
     b.add_argument("--sweep", default=None, metavar="VAR=V1,V2,...", help="layers=4,8,16 | seq=256,512 | batch=... "
                    "| hidden=...: every method at every value; writes sweep.json/md/png")
     b.add_argument("--out", default=None, help="output directory")

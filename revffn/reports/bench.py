@@ -3,6 +3,7 @@
     revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --layers 16 --hidden 256 \\
         --batch 4 --seq 512 --steps 3 --out runs/bench
     revffn bench ... --sweep layers=4,8,16,32 --out runs/bench
+    revffn bench ... --nproc 2 [--distributed fsdp|ddp] --out runs/bench_fsdp
 
 Each method runs in `revffn.reports.workers.bench` (its own process, so its peak memory is its own)
 and returns one row: peak memory, bytes saved for backward, grads, optimizer states, tokens/s and a
@@ -10,6 +11,11 @@ status (`ok`, `oom`, `error`: a failed method stays in the table). Every row als
 analytic estimate (`revffn.memory.estimate`) of the same configuration. Outputs: `bench.json`
 (`run_info`, `meta_info`, `results`) rendered to `bench.md` / `bench.png`; a sweep writes
 `sweep.json` / `sweep.md` / `sweep.png` (`revffn.reports.render.bench`).
+
+`--nproc N` (N > 1) runs each method's worker under torchrun, N ranks (FSDP2 by default), each
+stepping `--batch` rows of its own: the row holds every rank's measurement (`ranks`), memory as the
+max over ranks, and the same method measured in one process (`one_process`), so that what sharding
+saves per rank shows as a ratio (`static_vs_one_process`, `peak_vs_one_process`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from revffn.errors import UserError, closest
@@ -48,6 +55,8 @@ class BenchSpec:
     threads: int | None = None
     set: list[str] = field(default_factory=list)
     timeout: float | None = None
+    nproc: int = 1  # processes (torchrun ranks) per measurement; `batch` is per rank
+    distributed: str | None = None  # none | ddp | fsdp; None: fsdp when nproc > 1
 
 
 def resolve(spec: BenchSpec) -> BenchSpec:
@@ -56,6 +65,7 @@ def resolve(spec: BenchSpec) -> BenchSpec:
 
     from revffn.methods import method_class
     from revffn.models.loading import model_kind, resolve_model_ref
+    from revffn.training.parallel import check_strategy
 
     if model_kind(spec.model, "--model") == "hub":  # fetched once, here: the workers read the cache offline
         resolve_model_ref(spec.model, "--model", weights=spec.hidden is None)
@@ -71,10 +81,41 @@ def resolve(spec: BenchSpec) -> BenchSpec:
         raise UserError("--device cuda: no CUDA device is available. Fix: --device auto or cpu.")
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = spec.dtype if spec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    out = BenchSpec(**{**asdict(spec), "device": device, "dtype": dtype})
+    out = BenchSpec(**{**asdict(spec), "device": device, "dtype": dtype,
+                       "distributed": _strategy(spec.nproc, spec.distributed, device)})
     for m in out.methods:  # every method's config validates before anything runs
-        train_config(worker_args(out, m))
+        cfg = train_config(worker_args(out, m))
+        if out.distributed != "none":
+            try:
+                check_strategy(cfg, out.distributed)
+            except UserError as e:
+                raise UserError(f"--methods {m} with --nproc {out.nproc}: {e}") from None
     return out
+
+
+def _strategy(nproc: int, distributed: str | None, device: str) -> str:
+    """The data-parallel strategy of `--nproc`/`--distributed` (UserError on a bad pair)."""
+    import torch
+
+    from revffn.training.parallel import STRATEGIES
+
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: need at least one process. Fix: --nproc 1 (one process) or --nproc 2 "
+                        "or more (torchrun ranks).")
+    strategy = distributed or ("fsdp" if nproc > 1 else "none")
+    if strategy not in ("none", *STRATEGIES):
+        raise UserError(f"--distributed {strategy!r} is not a strategy.{closest(strategy, STRATEGIES)} Fix: "
+                        "--distributed fsdp (the default with --nproc 2 or more) or ddp.")
+    if nproc > 1 and strategy == "none":
+        raise UserError(f"--nproc {nproc} with --distributed none: each process would train the whole model "
+                        "alone. Fix: --distributed fsdp (the default) or ddp, or --nproc 1.")
+    if nproc == 1 and strategy != "none":
+        raise UserError(f"--distributed {strategy} with one process: nothing to shard or average over. Fix: "
+                        "--nproc 2 or more, or leave out --distributed.")
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices, one rank each. Fix: "
+                        f"--nproc {torch.cuda.device_count()} or fewer.")
+    return strategy
 
 
 def split_label(label: str) -> tuple[str, list[str]]:
@@ -94,7 +135,8 @@ def worker_args(spec: BenchSpec, method: str) -> dict:
     return {"model": spec.model, "method": name, "label": method, "method_module": method_class(name).__module__,
             "model_config": config_overrides(spec.model, spec.layers, spec.hidden),
             "batch": spec.batch, "seq": spec.seq, "steps": spec.steps, "dtype": spec.dtype, "device": spec.device,
-            "seed": spec.seed, "threads": spec.threads, "set": [*spec.set, *overrides]}
+            "seed": spec.seed, "threads": spec.threads, "set": [*spec.set, *overrides], "nproc": spec.nproc,
+            "distributed": spec.distributed or "none"}
 
 
 def estimate_fields(args: dict) -> dict:
@@ -110,7 +152,8 @@ def estimate_fields(args: dict) -> dict:
         opts = {"padded": False, **method.estimate_options(cfg.section(cfg.method)), "optimizer": cfg.optimizer,
                 "optimizer_in_backward": cfg.optimizer_in_backward, "offload": cfg.optimizer_offload}
         est = estimate(hf_config(cfg.model, **cfg.model_config), method, args["batch"], args["seq"],
-                       args["dtype"], **opts)
+                       args["dtype"], world_size=args.get("nproc", 1), distributed=args.get("distributed", "none"),
+                       **opts)
     except Exception as e:  # an estimate that cannot be made is reported, never fatal
         return {"est_error": f"{type(e).__name__}: {e}"}
     return {"est_static_bytes": est["weights"] + est["grads"] + est["optimizer_states"],
@@ -119,46 +162,126 @@ def estimate_fields(args: dict) -> dict:
             "est_trainable_params": est["trainable_params"]}
 
 
+# glibc's malloc raises its mmap threshold to the size of each large block freed, after which blocks
+# of that size stay resident once freed: with FSDP's per-unit gather and reduce-scatter buffers a
+# rank's RSS then grows step after step past what its tensors hold (docs/bench_fsdp's full: 381 MiB
+# peak per rank, 60 MiB of tensors held between steps; 211 MiB with the fixed threshold). A fixed
+# threshold returns every block over 128 KiB on free, so peak RSS follows the tensors; an --nproc
+# bench sets it for the ranks and their one-process twin alike.
+NPROC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
+                  "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(args: dict) -> list[str]:
+    """`python -m WORKER_MODULE ARGS_JSON`; with `nproc` > 1 under torchrun, one rank per process,
+    meeting on a free local port."""
+    n = args.get("nproc", 1)
+    launch = ["-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
+              f"--master-port={_free_port()}"] if n > 1 else []
+    return [sys.executable, *launch, "-m", WORKER_MODULE, json.dumps(args)]
+
+
 def run_worker(args: dict, timeout: float | None = None) -> dict:
-    """One method in a fresh process; a crash, a timeout or garbage output is an `error` row."""
-    cmd = [sys.executable, "-m", WORKER_MODULE, json.dumps(args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    """One method in fresh processes (one, or torchrun's `nproc` ranks); a crash, a timeout or garbage
+    output is an `error` row."""
+    env = {**os.environ, **args.get("env", {}), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     t0 = time.perf_counter()
+    proc = subprocess.Popen(worker_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _stop(proc)
         return {"method": args["method"], "status": "error", "error": f"timed out after {timeout:g} s",
                 "process_s": time.perf_counter() - t0}
-    for line in reversed(proc.stdout.splitlines()):
+    rows = {}  # rank -> its row (the last JSON line it printed)
+    for line in stdout.splitlines():
         if line.startswith("{"):
             try:
-                return {**json.loads(line), "process_s": time.perf_counter() - t0}
+                row = json.loads(line)
             except json.JSONDecodeError:
-                break
+                continue
+            rows[row.get("rank", 0)] = row
+    n, elapsed = args.get("nproc", 1), time.perf_counter() - t0
+    if n > 1:
+        ranks = [rows.get(r) or {"rank": r, "status": "error", "error": _no_result(proc, stderr)} for r in range(n)]
+        return {**combine_ranks(args["method"], ranks), "process_s": elapsed}
+    if 0 in rows:
+        return {**rows[0], "process_s": elapsed}
+    return {"method": args["method"], "status": "error", "error": _no_result(proc, stderr), "process_s": elapsed}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a worker that ran past its time: SIGTERM first, which torchrun passes on to its ranks."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def _no_result(proc: subprocess.Popen, stderr: str) -> str:
     why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
     if proc.returncode == -9:
         why += " (SIGKILL: out of host memory?)"
-    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-    return {"method": args["method"], "status": "error", "error": f"worker {why}, no result" +
-            (f": {tail[-400:]}" if tail else ""), "process_s": time.perf_counter() - t0}
+    tail = " | ".join(stderr.strip().splitlines()[-3:])
+    return f"worker {why}, no result" + (f": {tail[-400:]}" if tail else "")
+
+
+def combine_ranks(method: str, ranks: list[dict]) -> dict:
+    """The row of one torchrun measurement: each rank's row under `ranks`; ok when every rank is (else
+    the first failure, naming its rank); memory the max over ranks (`MAX_OVER_RANKS`); tokens/s the
+    sum (each rank steps a batch of its own); the rest rank 0's."""
+    bad = next((r for r in ranks if r.get("status") != "ok"), None)
+    if bad is not None:
+        return {"method": method, "status": bad.get("status", "error"),
+                "error": f"rank {bad['rank']}: {bad.get('error', '')}", "ranks": ranks}
+    row = {k: v for k, v in ranks[0].items() if k != "rank"}
+    row.update({k: max(r[k] for r in ranks) for k in MAX_OVER_RANKS if all(r.get(k) is not None for r in ranks)})
+    row["tokens_per_s"] = sum(r["tokens_per_s"] for r in ranks) if all(r.get("tokens_per_s") for r in ranks) else None
+    return {**row, "ranks": ranks}
 
 
 def _progress(i: int, n: int, label: str, row: dict) -> None:
     if row["status"] == "ok":
         what = f"ok {row['peak_mem_bytes'] / 2**20:.1f} MiB {row['tokens_per_s']:.0f} tok/s"
+        if row.get("static_vs_one_process"):
+            what += f", static per rank {row['static_vs_one_process']:.2f}x one process's"
     else:
         what = f"{row['status']}: {row.get('error', '')[:120]}"
     print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
 
 
-def measure(spec: BenchSpec, method: str, runner: Runner | None = None) -> dict:
-    """One result row: the worker's measurement (`runner`, default `run_worker`), its static bytes, and
-    the estimate."""
-    args = worker_args(spec, method)
+def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dict | None = None) -> dict:
+    """One result row: the worker's measurement (`runner`, default `run_worker`; `env`: extra
+    environment of its processes), its static bytes, and the estimate. With `spec.nproc` > 1, each
+    rank's static bytes and the same method in one process (`one_process`, measured first), to which
+    each rank's static bytes and peak are compared; both under `NPROC_ENV`."""
+    one = None
+    if spec.nproc > 1:
+        env = NPROC_ENV
+        one = measure(replace(spec, nproc=1, distributed="none"), method, runner, env)
+    args = {**worker_args(spec, method), **({"env": env} if env else {})}
     row = {**(runner or run_worker)(args, spec.timeout), "method": method}  # the label: variants stay apart
     if row.get("status") == "ok":
-        row["static_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
+        ranks = row.get("ranks") or [row]
+        for r in ranks:  # what the process holds from step to step
+            r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
+        row["static_bytes"] = max(r["static_bytes"] for r in ranks)
+        if one is not None and one.get("status") == "ok":
+            for r in [row, *row["ranks"]]:
+                r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
+                r["peak_vs_one_process"] = r["peak_mem_bytes"] / one["peak_mem_bytes"]
     row.update(estimate_fields(args))
+    if one is not None:
+        row["one_process"] = one
     return row
 
 
@@ -221,7 +344,7 @@ def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
 def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | None = None) -> dict:
     """Every method of `spec`, one fresh process each (`runner`: how one is measured, default
     `run_worker`); the bench.json document."""
-    info = run_info(spec, argv)
+    info = run_info(spec, argv, **({"worker_env": NPROC_ENV} if spec.nproc > 1 else {}))
     rows = []
     for i, m in enumerate(spec.methods, 1):
         rows.append(measure(spec, m, runner))
@@ -261,13 +384,15 @@ def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | No
 
 def train_config(args: dict):
     """The validated `TrainConfig` of one bench measurement: the built-in quickstart plus model,
-    method, dtype, device and seed, `model_config` replaced by the bench's overrides, then the
-    user's `--set key=value` items (dotted keys reach method sections). Raises UserError."""
+    method, dtype, device, seed and data-parallel strategy, `model_config` replaced by the bench's
+    overrides, then the user's `--set key=value` items (dotted keys reach method sections). Raises
+    UserError."""
     from revffn.training.config import load_config, parse_overrides
 
     overrides = [f"model={args['model']}", f"method={args['method']}", "max_steps=100000",
                  f"dtype={args.get('dtype', 'auto')}", f"device={args.get('device', 'auto')}",
-                 f"seed={args.get('seed', 0)}", *args.get("set", [])]
+                 f"seed={args.get('seed', 0)}", f"distributed={args.get('distributed', 'none')}",
+                 *args.get("set", [])]
     cfg = load_config(None, overrides)
     user = parse_overrides(list(args.get("set", []))).get("model_config", {})
     cfg.values["model_config"] = {**args.get("model_config", {}), **(user if isinstance(user, dict) else {})}

@@ -65,6 +65,13 @@ def pick_distributed(cfg) -> str:
     mode = "ddp" if cfg.distributed == "auto" and world > 1 else cfg.distributed
     if mode not in STRATEGIES:
         return "none"
+    check_strategy(cfg, mode)
+    return mode
+
+
+def check_strategy(cfg, mode: str) -> None:
+    """Refuse (UserError) a config that `mode` ("ddp" or "fsdp") cannot run exactly; `pick_distributed`
+    and the bench (`--nproc`, before it launches anything) ask the same questions."""
     method = method_class(cfg.method)
     if mode not in method.DISTRIBUTED:
         ok = " or ".join(method.DISTRIBUTED) or "no strategy"
@@ -86,7 +93,6 @@ def pick_distributed(cfg) -> str:
         raise UserError(f"distributed: fsdp shards the optimizer state of optimizer=adamw or adafactor only (got "
                         f"optimizer={cfg.optimizer}, bf16_stochastic_round={cfg.bf16_stochastic_round}). Fix: "
                         "optimizer=adamw (or adafactor) without stochastic rounding, or distributed=ddp.")
-    return mode
 
 
 def init_distributed(mode: str, device: torch.device, timeout_s: int) -> None:

@@ -131,3 +131,46 @@ def test_bad_input_exit_2(tmp_path, argv, capsys):
     assert cli.main(["bench", "--out", str(tmp_path), "--layers", "1", *argv]) == 2
     assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
+    """Two torchrun ranks (FSDP2, gloo): each holds about half the parameters, gradients and AdamW states
+    of one process (sharded along dim 0, so not exactly half), for full and revffn alike."""
+    rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full,revffn", "--layers", "2", "--hidden", "64",
+                   "--batch", "1", "--seq", "16", "--steps", "1", "--threads", "1", "--nproc", "2", "--out",
+                   str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["run_info"]["args"]["nproc"] == 2 and data["run_info"]["args"]["distributed"] == "fsdp"
+    for r in data["results"]:
+        one = r["one_process"]
+        assert r["status"] == one["status"] == "ok", r
+        assert [x["rank"] for x in r["ranks"]] == [0, 1] and all(x["world_size"] == 2 for x in r["ranks"])
+        for x in r["ranks"]:
+            assert 0.4 < x["static_bytes"] / one["static_bytes"] < 0.6, (r["method"], x["rank"])
+            assert x["static_vs_one_process"] == x["static_bytes"] / one["static_bytes"]
+            assert x["peak_mem_bytes"] > 0
+        assert r["static_bytes"] == max(x["static_bytes"] for x in r["ranks"])
+        assert r["static_bytes"] == pytest.approx(r["est_static_bytes"], rel=0.05)  # estimate --distributed fsdp
+    md = (tmp_path / "bench.md").read_text()
+    assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
+
+
+def test_a_failed_rank_fails_the_row_and_names_the_rank():
+    ok = {"method": "full", "status": "ok", "peak_mem_bytes": 10, "tokens_per_s": 5.0, "param_bytes": 4}
+    row = bench.combine_ranks("full", [{**ok, "rank": 0}, {"rank": 1, "status": "error", "error": "exit code 1"}])
+    assert row["status"] == "error" and row["error"] == "rank 1: exit code 1" and len(row["ranks"]) == 2
+    row = bench.combine_ranks("full", [{**ok, "rank": 0}, {**ok, "rank": 1, "peak_mem_bytes": 12}])
+    assert row["status"] == "ok" and row["peak_mem_bytes"] == 12 and row["tokens_per_s"] == 10.0
+    assert "rank" not in row and [x["rank"] for x in row["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "0"], ["--nproc", "2", "--distributed", "none"],
+                                  ["--nproc", "2", "--distributed", "fsdpp"], ["--distributed", "ddp"],
+                                  ["--nproc", "2", "--methods", "hift"],
+                                  ["--nproc", "2", "--methods", "full", "--sweep", "layers=1,2"]])
+def test_bad_nproc_or_strategy_exit_2_with_a_fix(tmp_path, argv, capsys):
+    assert cli.main(["bench", "--out", str(tmp_path), "--layers", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error:" in err and "Fix:" in err, err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -30,7 +30,7 @@ def _ok(rows: list[dict]) -> dict[str, dict]:
 
 
 def describe(data: dict) -> str:
-    """One line: model, geometry, batch, dtype, device, threads."""
+    """One line: model, geometry, batch, dtype, device, threads (and ranks, with --nproc)."""
     a, meta = data["run_info"]["args"], data.get("meta_info", {})
     geo = next((r["geometry"] for r in data["results"] if r.get("geometry")), {})
     layers = geo.get("num_hidden_layers", a.get("layers"))
@@ -41,8 +41,11 @@ def describe(data: dict) -> str:
     if swept:  # the swept variable varies over the rows
         layers, hidden = ("(swept)" if swept == "layers" else layers), ("(swept)" if swept == "hidden" else hidden)
         a = {**a, **{k: "(swept)" for k in ("batch", "seq") if k == swept}}
-    return (f"{a['model']}, {layers} layers, hidden {hidden}, batch {a['batch']} x seq {a['seq']}, {a['dtype']}, "
-            f"{a['device']} ({where}; {meta.get('torch_threads')} threads), timed steps: {a['steps']}")
+    ranks = f", {a['nproc']} ranks ({a['distributed']})" if a.get("nproc", 1) > 1 else ""
+    per_rank = " per rank" if ranks else ""
+    return (f"{a['model']}, {layers} layers, hidden {hidden}, batch {a['batch']} x seq {a['seq']}{per_rank}, "
+            f"{a['dtype']}, {a['device']} ({where}; {meta.get('torch_threads')} threads), timed steps: "
+            f"{a['steps']}{ranks}")
 
 
 def _header(data: dict, title: str) -> list[str]:
@@ -67,6 +70,8 @@ def failures(rows: list[dict], key: str = "") -> list[str]:
 
 def bench_markdown(data: dict) -> str:
     """bench.md: one row per method, ratios to full (and to ckpt), measured vs estimated bytes."""
+    if _ranked(data):
+        return ranks_markdown(data)
     rows = data["results"]
     ok = _ok(rows)
     full, ckpt = ok.get("full"), ok.get("ckpt")
@@ -107,6 +112,8 @@ def _pyplot():
 
 def plot_bench(data: dict, path: Path) -> None:
     """bench.png: peak memory and tokens/s per method (failed methods marked)."""
+    if _ranked(data):
+        return plot_ranks(data, path)
     plt = _pyplot()
     rows = data["results"]
     names = [r["method"] for r in rows]
@@ -121,6 +128,91 @@ def plot_bench(data: dict, path: Path) -> None:
         ax.set_xlabel(label)
         for y, (v, r) in enumerate(zip(vals, rows)):
             ax.text(v, y, f" {v:.0f}" if r.get("status") == "ok" else f" {r.get('status')}", va="center", fontsize=8)
+    fig.suptitle(describe(data), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ranked(data: dict) -> bool:
+    """A bench of torchrun ranks (`--nproc` > 1): each row holds its ranks and its one-process twin."""
+    return data["run_info"]["args"].get("nproc", 1) > 1
+
+
+def _per_rank(row: dict, key: str) -> str:
+    """'max (rank 0 / rank 1 / ...)' in MiB."""
+    ranks = row.get("ranks") or []
+    return f"{_mib(row[key])} ({' / '.join(_mib(r[key]) for r in ranks)})"
+
+
+def ranks_markdown(data: dict) -> str:
+    """bench.md of a `--nproc N` bench: per method, what each rank holds (static) and peaks at, next to
+    the same method in one process, and the ratio."""
+    rows, a = data["results"], data["run_info"]["args"]
+    n, strategy = a["nproc"], a["distributed"]
+    lines = _header(data, f"Bench: {n} ranks ({strategy}) vs one process")
+    ranks = " / ".join(f"rank {r}" for r in range(n))
+    lines += [f"### Memory per rank ({ranks})", "",
+              f"| method | status | static MiB, 1 process | static MiB per rank: max ({ranks}) | ÷ 1 process | "
+              f"static MiB per rank (est.) | peak MiB, 1 process | peak MiB per rank: max ({ranks}) | ÷ 1 process |",
+              "|---|---|" + "---:|" * 7]
+    kinds = [("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_state_bytes", "optimizer states")]
+    by_kind = ["", "### Static bytes by kind, MiB: 1 process -> per rank (max)", "",
+               "| method | " + " | ".join(label for _, label in kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    speed = ["", "### Speed and saved-for-backward bytes", "",
+             "| method | tokens/s, 1 process | tokens/s, all ranks | saved for backward MiB, 1 process | "
+             "saved for backward MiB per rank: max |", "|---|" + "---:|" * 4]
+    for r in rows:
+        one = r.get("one_process") or {}
+        if r.get("status") != "ok" or one.get("status") != "ok":
+            lines.append(f"| {r['method']} | {r['status'] if r.get('status') != 'ok' else 'no 1-process row'} |"
+                         + " |" * 7)
+            continue
+        lines.append(f"| {r['method']} | ok | {_mib(one['static_bytes'])} | {_per_rank(r, 'static_bytes')} | "
+                     f"{r['static_vs_one_process']:.2f} | {_mib(r.get('est_static_bytes'))} | "
+                     f"{_mib(one['peak_mem_bytes'])} | {_per_rank(r, 'peak_mem_bytes')} | "
+                     f"{r['peak_vs_one_process']:.2f} |")
+        by_kind.append(f"| {r['method']} | " + " | ".join(f"{_mib(one[k])} -> {_mib(r[k])} ({_ratio(r[k], one[k])})"
+                                                         for k, _ in kinds) + " |")
+        speed.append(f"| {r['method']} | {one['tokens_per_s']:.0f} ({one.get('threads')} threads) | "
+                     f"{r['tokens_per_s']:.0f} ({r.get('threads')} threads each) | "
+                     f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")
+    cuda = any(r.get("peak_reserved_bytes") for r in rows)
+    notes = ["", f"static: the parameters, gradients and optimizer states a process holds from step to step (of a "
+             f"sharded FSDP2 DTensor, its local shard); (est.): `revffn estimate --world-size {n} --distributed "
+             f"{strategy}`. peak: " + ("CUDA max allocated" if cuda else "each process's peak RSS minus its RSS after "
+                                       "the imports (a rank's includes the process group and the gathered units)")
+             + ". `--batch` is per rank: every rank steps batch x seq tokens of its own, and the one-process run "
+             "steps one such batch, so its activations are one rank's; tokens/s of all ranks is their sum."]
+    env = data["run_info"].get("worker_env")
+    if env and not cuda:
+        notes += ["", "Every process ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + ": with glibc's "
+                  "default, a freed block raises malloc's mmap threshold and later blocks of its size stay resident "
+                  "once freed, so a rank's RSS grows step after step past what its tensors hold (FSDP's gather and "
+                  "reduce-scatter buffers); fixed, peak RSS follows the tensors (`revffn.reports.bench.NPROC_ENV`)."]
+    bad = [{**r["one_process"], "method": f"{r['method']} (1 process)"} for r in rows
+           if (r.get("one_process") or {}).get("status") not in (None, "ok")]
+    return "\n".join(lines + by_kind + speed + notes + failures(rows + bad)) + "\n"
+
+
+def plot_ranks(data: dict, path: Path) -> None:
+    """bench.png of a `--nproc N` bench: static and peak memory per method, one process vs per rank (max)."""
+    plt = _pyplot()
+    rows = [r for r in data["results"] if r.get("status") == "ok" and r.get("one_process", {}).get("status") == "ok"]
+    n = data["run_info"]["args"]["nproc"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "static_bytes", "static: params + grads + optimizer states (MiB)"),
+                           (axes[1], "peak_mem_bytes", "peak memory (MiB)")):
+        xs = range(len(rows))
+        for dx, color, name, vals in ((-0.2, "tab:gray", "1 process", [r["one_process"][key] / MiB for r in rows]),
+                                      (0.2, "tab:red", f"per rank of {n} (max)", [r[key] / MiB for r in rows])):
+            ax.bar([x + dx for x in xs], vals, width=0.4, color=color, label=name)
+            for x, v in zip(xs, vals):
+                ax.text(x + dx, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [r["method"] for r in rows])
+        ax.set_ylabel(label)
+        ax.margins(y=0.25)  # room for the legend above the bars
+        ax.legend(fontsize=8)
     fig.suptitle(describe(data), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -10,35 +10,47 @@ its groups). One warm-up step, then `steps` timed steps on one random (B, T) bat
 The bytes saved for backward are logged on each step whose trainable set differs from the step
 before (the warm-up step; every HiFT step), and counted outside the timed part.
 
+Under torchrun (`revffn bench --nproc N`: `args["distributed"]` ddp or fsdp) every rank joins the
+process group as training does (`parallel.init_distributed`: gloo on CPU, NCCL on CUDA), steps a
+batch of its own (B rows, drawn with seed + rank) and prints its own row, tagged with `rank`; the
+parent gathers them.
+
 Memory: on CPU `peak_mem_bytes` is the process peak RSS minus the RSS right after the imports; on
 CUDA `torch.cuda.max_memory_allocated` (and `_reserved`) after a reset once the model is built.
+Parameter, gradient and optimizer-state bytes are what this process holds: of a sharded (FSDP2
+DTensor) tensor, its local shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+import weakref
 
 import peft  # noqa: F401  (imported before the RSS baseline for every method alike)
 import torch
 import transformers  # noqa: F401
-from torch.multiprocessing.reductions import StorageWeakRef
+from torch.distributed.tensor import DTensor
 
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
 from revffn.methods import method_class
 from revffn.models.loading import build_hf
 from revffn.reports.bench import train_config
+from revffn.training.parallel import init_distributed, pick_distributed
 from revffn.training.setup import pick_device
 from revffn.training.step import Run, build_run, train_step
 
 
 class LiveSavedTensorLog(SavedTensorLog):
-    """`SavedTensorLog` that counts only what is still held when asked: a tensor saved by a graph
-    branch that was dropped during the forward (DoRA's weight-norm path) is freed, and its address
-    may be reused, so it is neither held memory nor a reliable storage id."""
+    """`SavedTensorLog` that counts only what is still held when asked, at its size then: a tensor
+    saved by a graph branch that was dropped during the forward (DoRA's weight-norm path) is freed,
+    and its address may be reused, so it is neither held memory nor a reliable storage id; and under
+    FSDP2 a unit's gathered parameters, saved by its forward, have their storage freed (resized to 0)
+    after it, to be gathered again in the backward."""
 
     def __init__(self, params=()):
         super().__init__(params)
@@ -47,23 +59,24 @@ class LiveSavedTensorLog(SavedTensorLog):
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.param_storages and ptr != 0:
-            self.refs.setdefault(ptr, []).append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+            self.refs.setdefault(ptr, []).append(weakref.ref(t))  # the graph holds `t` itself
         return t
 
     def bytes(self, exclude: set[int] = frozenset()) -> int:
         total = 0
         for ptr, refs in self.refs.items():
-            alive = [n for ref, n in refs if not ref.expired()]
+            alive = [t.untyped_storage().nbytes() for t in (ref() for ref in refs) if t is not None]
             if alive and ptr not in exclude:
                 total += max(alive)
         return total
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    """Storage bytes; a tensor subclass (torchao's quantized optimizer states) counts its inner tensors."""
+    """Bytes this process holds; a tensor subclass counts its inner tensors: torchao's quantized
+    optimizer states, and a DTensor (FSDP2) its local shard."""
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+        return sum(_tensor_bytes(x) for x in inner if torch.is_tensor(x))  # a DTensor also names its mesh
     return t.numel() * t.element_size()
 
 
@@ -95,7 +108,9 @@ class _Probe:
         """Around the forward: start the clock; log what autograd saves when the trainable set is new."""
         trainable = [p for p in self.run.params if p.requires_grad]
         ids = frozenset(id(p) for p in trainable)
-        log = LiveSavedTensorLog(self.run.model.parameters()) if ids != self.trainable else None
+        # a sharded (FSDP2) parameter has no storage of its own: its local shard has
+        params = (p.to_local() if isinstance(p, DTensor) else p for p in self.run.model.parameters())
+        log = LiveSavedTensorLog(params) if ids != self.trainable else None
         self.trainable = ids
         self.row["trainable_params"] = max(self.row["trainable_params"], sum(p.numel() for p in trainable))
         self.sync()
@@ -112,7 +127,7 @@ class _Probe:
 
     def after_backward(self) -> None:
         self.t_fb = time.perf_counter() - self.t0 - self.t_log
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.run.params if p.grad is not None)
+        grads = sum(_tensor_bytes(p.grad) for p in self.run.params if p.grad is not None)
         grads = max(grads, getattr(self.run.optimizer, "largest_grad_bytes", 0))  # in-backward: freed as stepped
         self.row["grad_bytes"] = max(self.row["grad_bytes"], grads)
         self.t1 = time.perf_counter()
@@ -124,10 +139,13 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
     method_class(args["method"], args.get("method_module"))  # a method registered outside the package
     cfg = train_config(args)
     device, weights_dtype, autocast_dtype = pick_device(cfg)
+    strategy = pick_distributed(cfg)
+    init_distributed(strategy, device, cfg.distributed_timeout)
+    rank = torch.distributed.get_rank() if strategy != "none" else 0
     hf = build_hf(cfg.model, weights_dtype, cfg.seed, device, **cfg.model_config)
-    run = build_run(cfg, device, weights_dtype, autocast_dtype, hf=hf)
-    B, T, steps = int(args["batch"]), int(args["seq"]), int(args.get("steps", 1))
-    g = torch.Generator().manual_seed(cfg.seed)
+    run = build_run(cfg, device, weights_dtype, autocast_dtype, hf=hf, strategy=strategy)
+    B, T, steps = int(args["batch"]), int(args["seq"]), int(args.get("steps", 1))  # B: per rank
+    g = torch.Generator().manual_seed(cfg.seed + rank)
     ids = torch.randint(3, hf.config.vocab_size, (B, T), generator=g).to(device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     row: dict = {"activation_bytes": 0, "routing_record_bytes": 0, "grad_bytes": 0, "optimizer_state_bytes": 0,
@@ -152,7 +170,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
             raise RuntimeError(f"loss became {loss.item()} at bench step {i}")
     unique = {id(p): p for p in run.model.parameters()}.values()
     row.update(
-        param_bytes=sum(p.numel() * p.element_size() for p in unique),
+        param_bytes=sum(_tensor_bytes(p) for p in unique),
         total_params=sum(p.numel() for p in unique),
         optimizer_state_bytes_total=_state_bytes(run.optimizer),
         tokens_per_s=statistics.median(B * T / t for t in times) if times else None,
@@ -188,9 +206,16 @@ def run(args: dict, baseline_rss: int | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     baseline = current_rss_bytes()  # after the imports, before anything is built
     argv = sys.argv[1:] if argv is None else argv
-    row = run(json.loads(argv[0]), baseline)
-    sys.stdout.write(json.dumps(row) + "\n")
+    args = json.loads(argv[0])
+    row = run(args, baseline)
+    if args.get("nproc", 1) > 1:  # torchrun's ranks share the parent's stdout: each line names its rank
+        row = {**row, "rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1))}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     sys.stdout.flush()
+    # one write of the whole line: a pipe keeps a write of up to 4 KiB whole (a row is ~0.7 KiB), so
+    # ranks writing at once do not interleave within their lines
+    os.write(sys.stdout.fileno(), (json.dumps(row) + "\n").encode())
     return 0
 
 
