@@ -16,6 +16,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+def one_line(error: BaseException | str) -> str:
+    """An exception's message (or a text) on one line: the first non-empty line, for a one-line error."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 def closest(word: str, choices) -> str:
     """A ' Did you mean X?' suffix, or '' when nothing is close."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -58,7 +58,12 @@ def _resolve(path: str, key: str) -> tuple[Path, str]:
 def _records(file: Path, name: str) -> Iterator[tuple[str, object]]:
     """(NAME:LINE, parsed object) for every record: JSONL lines, or the elements of a top-level JSON list.
     A generator, so a JSONL file is parsed a line at a time as the examples are normalised."""
-    text = file.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name}: not UTF-8 text (byte {e.start}). Fix: save the file as UTF-8 JSON/JSONL.") from None
+    except OSError as e:
+        raise UserError(f"{name}: cannot be read ({e.strerror}). Fix: check the path and its permissions.") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)

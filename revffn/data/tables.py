@@ -20,6 +20,7 @@ formats (alpaca, prompt/completion with strings, text), since a cell cannot hold
 from __future__ import annotations
 
 import csv
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def load_table(ref: str, key: str):
     """
     import datasets
 
+    quiet = logging.getLogger("datasets")  # its own error log would repeat the reason this raises as one line
+    level, quiet.level = quiet.level, logging.CRITICAL
     try:
         if ref.startswith(HF_PREFIX):
             name, config, split = _hf_args(ref)
@@ -71,6 +74,8 @@ def load_table(ref: str, key: str):
         return datasets.load_dataset(builder, data_files=str(file), split="train", features=features)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         raise UserError(_load_failure(ref, key, e)) from None
+    finally:
+        quiet.setLevel(level)
 
 
 def missing_file(ref: str, key: str) -> UserError:

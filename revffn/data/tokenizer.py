@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from revffn.errors import UserError
+from revffn.errors import UserError, one_line
 from revffn.models.hub import parse_hub_id, snapshot
 from revffn.models.loading import resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
@@ -57,7 +57,7 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
     try:
         tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, ... for a directory it cannot read
-        raise UserError(f"{key}: cannot load a tokenizer from {where!r}: {type(e).__name__}: {e}. "
+        raise UserError(f"{key}: cannot load a tokenizer from {where!r}: {type(e).__name__}: {one_line(e)} "
                         "Fix: point it at a directory written by save_pretrained (tokenizer.json, "
                         "tokenizer_config.json).") from None
     if tok.eos_token is None:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from revffn.errors import UserError
+from revffn.errors import UserError, one_line
 from revffn.training.parallel import barrier, is_main_process
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -125,7 +125,15 @@ def read_trainer_state(path: Path) -> dict:
     if not f.is_file():
         raise UserError(f"resume: {str(path)!r} is not a checkpoint (no trainer_state.json). Fix: point resume at "
                         "a checkpoints/step-N directory, or use resume=true for the latest one.")
-    return json.loads(f.read_text())
+    try:
+        state = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"resume: {str(f)!r} is not a trainer state ({one_line(e)}): the checkpoint is damaged. Fix: "
+                        "resume from an earlier checkpoints/step-N, or start a new run.") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise UserError(f"resume: {str(f)!r} holds no step: not a revffn checkpoint. Fix: point resume at a "
+                        "checkpoints/step-N directory, or use resume=true for the latest one.")
+    return state
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:

@@ -130,6 +130,11 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     except FileNotFoundError:
         raise UserError(f"config file {str(path)!r} not found. Fix: check the path, or run `revffn train` "
                         "with no file for the built-in quickstart.") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}). Fix: give a YAML file "
+                        "saved as UTF-8.") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {str(path)!r} is a directory. Fix: give the path of a YAML file.") from None
     except OSError as e:
         raise UserError(f"config file {str(path)!r} cannot be read ({e.strerror}). Fix: check its permissions.") \
             from None
@@ -144,7 +149,8 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{path}: the config must be a mapping of key: value, got {type(data).__name__}.")
+        raise UserError(f"{path}: the config must be a mapping of key: value, got {type(data).__name__}. Fix: "
+                        "write one `key: value` per line (see revffn/recipes/quickstart.yaml).")
     return data, _key_lines(text)
 
 

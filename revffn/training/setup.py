@@ -68,6 +68,11 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
+    """The run directory can be created (no file in its place or on its path) and holds no other run."""
+    blocker = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"output_dir: {str(run_dir)!r} cannot be a directory: {str(blocker)!r} is a file. Fix: "
+                        "choose another output_dir.")
     if resume_from is None and _holds_run(run_dir) and not cfg.overwrite:
         raise UserError(f"output_dir: {str(run_dir)!r} already holds a run. Nothing was touched. Fix: set "
                         "resume=true to continue it, overwrite=true to replace it, or choose another output_dir.")
