@@ -1,6 +1,9 @@
-"""Greedy generation: a left-padded batch decodes each prompt exactly as it decodes alone."""
+"""Greedy generation: a left-padded batch decodes each prompt exactly as it decodes alone, and the KV
+cache changes no token."""
 
+import pytest
 import torch
+from transformers import DynamicCache
 
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import convert
@@ -33,3 +36,41 @@ def test_generation_stops_per_sequence_at_a_stop_token():
     assert out[1] == free[1][:first]  # cut at the stop token, which is dropped
     for seq, ref in zip(out, free):  # the others continue as before until their own stop
         assert seq == ref[: ref.index(stop)] if stop in ref else seq == ref
+
+
+def _both(name: str):
+    """The plain HF model and the converted one (its own weights), eval mode."""
+    return (CausalLM(tiny_model(name, num_hidden_layers=2)).eval(),
+            convert(tiny_model(name, num_hidden_layers=2)).eval())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_kv_cache_decoding_equals_recomputing_the_prefix(name, one_thread):
+    """Left-padded batch, one row stopping early: the cached decode picks the same tokens, and each
+    step's logits equal the full recomputation's to float rounding."""
+    for model in _both(name):
+        prompts = _prompts()
+        free = generate_ids(model, prompts, 10, stop=set(), pad_id=0, use_cache=False)
+        assert generate_ids(model, prompts, 10, stop=set(), pad_id=0, use_cache=True) == free
+        stop = {free[0][3]}  # the first row stops after 3 tokens; the others decode on, masked beside it
+        assert (generate_ids(model, prompts, 10, stop=stop, pad_id=0, use_cache=True)
+                == generate_ids(model, prompts, 10, stop=stop, pad_id=0, use_cache=False))
+        ids = torch.randint(3, 500, (2, 12))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0  # left padding
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            full = model(ids, attention_mask=mask, position_ids=pos).logits
+            head = model(ids[:, :9], attention_mask=mask[:, :9], position_ids=pos[:, :9], use_cache=True)
+            cache, steps = head.cache, [head.logits]
+            for t in range(9, 12):
+                out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1], cache=cache)
+                steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_model_refuses_a_cache_on_the_reversible_path():
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).train()
+    with pytest.raises(ValueError, match="plain twin"):
+        model(torch.randint(3, 500, (1, 4)), cache=DynamicCache(config=model.config))
+    assert model(torch.randint(3, 500, (1, 4)), use_cache=True).cache is None  # the reversible path starts none
