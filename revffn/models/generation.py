@@ -12,6 +12,8 @@ measures the difference); the tokens are the same.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 END_TOKENS = ("<|end|>", "<|endoftext|>", "<|im_end|>", "</s>")
@@ -55,6 +57,18 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: set
         if bool(done.all()):
             break
     return [[t for t in seq if t not in stop] for seq in out]
+
+
+def save_generation_config(out_dir: Path, tokenizer) -> None:
+    """generation_config.json in a model directory: transformers' `generate()` stops where
+    `revffn generate` stops (`stop_ids`) and pads with the tokenizer's pad token."""
+    from transformers import GenerationConfig
+
+    path = Path(out_dir)
+    saved = (path / "generation_config.json").is_file()  # save_pretrained writes one for a plain HF model
+    config = GenerationConfig.from_pretrained(path) if saved else GenerationConfig()
+    config.eos_token_id, config.pad_token_id = sorted(stop_ids(tokenizer)), tokenizer.pad_token_id
+    config.save_pretrained(path)
 
 
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,
