@@ -368,15 +368,16 @@ class RevFFNForCausalLM(nn.Module):
 
     def _context(self, embeds, attention_mask, position_ids, cache=None) -> StackContext:
         """Masks, rotary embeddings and the load-balancing accumulator of one forward; with a `cache`,
-        `embeds` are the new tokens and `attention_mask` (B, cached + new) covers the cached ones too."""
+        `embeds` are the new tokens, `attention_mask` (B, cached + new) covers the cached ones too, and
+        no load-balancing loss is accumulated (decoding trains nothing)."""
         config = self.hf.config
         masks = {key: _mask_for(key, config, embeds, attention_mask, position_ids, cache)
                  for key in sorted({b.mask_key for b in self.blocks})}
         position_embeddings = self.rope(embeds, position_ids)
         aux = None
-        if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts:
-            rows = None if attention_mask is None else attention_mask[:, -embeds.shape[1]:]  # the new tokens' rows
-            aux = SwitchAux(self.num_experts, self.top_k, None if rows is None else rows.reshape(-1).to(torch.float32),
+        if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts and cache is None:  # decoding: no loss
+            row_mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float32)
+            aux = SwitchAux(self.num_experts, self.top_k, row_mask,
                             differentiable=self.router_trainable() and torch.is_grad_enabled())
         return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
                             per_layer_position=self.rope.per_layer, cache=cache)
