@@ -5,9 +5,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from revffn.data.templates import chat_prompts
+from revffn.data.tokenizer import load_tokenizer
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import convert
 from revffn.models.generation import generate_ids
+from revffn.models.loading import load_hf
 from revffn.models.presets import tiny_model
 
 
@@ -74,3 +77,13 @@ def test_converted_model_refuses_a_cache_on_the_reversible_path():
     with pytest.raises(ValueError, match="plain twin"):
         model(torch.randint(3, 500, (1, 4)), cache=DynamicCache(config=model.config))
     assert model(torch.randint(3, 500, (1, 4)), use_cache=True).cache is None  # the reversible path starts none
+
+
+def test_kv_cache_decoding_of_the_shipped_base_equals_recomputing(one_thread):
+    """builtin:base, converted and plain, a left-padded batch of real chat prompts: the same 24 tokens."""
+    tok = load_tokenizer(None)
+    texts = chat_prompts(["Put commas between: rope ink tea", "What is 3 + 4?", "Sort: pear fig"], tok)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for model in (CausalLM(load_hf("builtin:base")).eval(), convert(load_hf("builtin:base")).eval()):
+        free = generate_ids(model, prompts, 24, stop=set(), pad_id=tok.pad_token_id, use_cache=False)
+        assert generate_ids(model, prompts, 24, stop=set(), pad_id=tok.pad_token_id, use_cache=True) == free
