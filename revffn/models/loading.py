@@ -102,12 +102,10 @@ def stored_config(path: str | Path, **overrides):
     (config.json of model_type `revffn`, `models.hf_remote`), the base model's config inside it."""
     from transformers import AutoConfig
 
-    from revffn.models.hf_remote import MODEL_TYPE
+    from revffn.models.hf_remote import RevFFNConfig
 
-    if json.loads((Path(path) / "config.json").read_text()).get("model_type") != MODEL_TYPE:
+    if json.loads((Path(path) / "config.json").read_text()).get("model_type") != RevFFNConfig.model_type:
         return AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
-    from revffn.models.hf_remote.configuration_revffn import RevFFNConfig
-
     config = RevFFNConfig.from_pretrained(path, local_files_only=True).text_config
     config.update(overrides)
     return config

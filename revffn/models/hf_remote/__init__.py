@@ -14,10 +14,11 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
+from revffn.models.hf_remote.configuration_revffn import RevFFNConfig
+
 REMOTE_FILES = ("configuration_revffn.py", "modeling_revffn.py")
 AUTO_MAP = {"AutoConfig": "configuration_revffn.RevFFNConfig",
             "AutoModelForCausalLM": "modeling_revffn.RevFFNModelForCausalLM"}
-MODEL_TYPE = "revffn"
 
 
 def dtype_name(dtype) -> str:
@@ -26,8 +27,6 @@ def dtype_name(dtype) -> str:
 
 def save_converted(model, out_dir: Path) -> None:
     """Write `model` (a `RevFFNForCausalLM`) into `out_dir` as transformers loads it with remote code."""
-    from revffn.models.hf_remote.configuration_revffn import RevFFNConfig
-
     dtype = dtype_name(next(model.parameters()).dtype)  # the weights' dtype, as save_pretrained records it
     config = RevFFNConfig(text_config={**model.config.to_dict(), "dtype": dtype}, dtype=dtype,
                           stream_dtype=dtype_name(model.stream_dtype), architectures=["RevFFNModelForCausalLM"])
