@@ -55,7 +55,9 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
         raise UserError(f"{key}: directory {path!r} not found. Fix: give a local directory holding tokenizer.json "
                         f"(e.g. the model directory), or leave {key} unset for the shipped tokenizer.")
     try:
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        # trust_remote_code=False: AutoTokenizer reads config.json, and a revffn final/ names its own config
+        # class there (`models.hf_remote`); without it transformers would ask on stdin whether to run it
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError, ... for a directory it cannot read
         raise UserError(f"{key}: cannot load a tokenizer from {where!r}: {type(e).__name__}: {one_line(e)} "
                         "Fix: point it at a directory written by save_pretrained (tokenizer.json, "

@@ -22,7 +22,6 @@ import copy
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
 from torch import nn
 
 from revffn.data.calibration import SELF
@@ -31,6 +30,7 @@ from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.convert import ADAPTER_INITS, RevFFNForCausalLM, convert
+from revffn.models.hf_remote import save_converted
 from revffn.models.loss import distill_kl
 from revffn.models.spec import get_path
 from revffn.models.teacher import student_hidden, teacher_hidden
@@ -214,9 +214,8 @@ class RevFFNMethod(Method):
         return self.teacher
 
     def export(self, model, out_dir: Path) -> None:
-        """The converted model's weights (safetensors), the base HF config, and revffn.json."""
-        model.config.save_pretrained(out_dir)
-        save_model(model, str(out_dir / "model.safetensors"))
+        """The converted model as transformers loads it with remote code (`models.hf_remote`), and revffn.json."""
+        save_converted(model, out_dir)
         start = {"converted_from": self.converted_from} if self.converted_from else \
             {"adapter_init": self.opts["adapter_init"]}
         write_manifest(out_dir, format="revffn", method=self.name, stream_dtype=self.opts["stream_dtype"], **start,

@@ -46,14 +46,20 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True,
-                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> RevFFNOutput:
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0, cache=None,
+                use_cache: bool = False) -> RevFFNOutput:
+        """As `RevFFNForCausalLM.forward`; `cache` / `use_cache` are HF's own (the backbone builds its
+        cache class, hybrid ones included), `out.cache` the extended cache."""
         backbone = get_path(self.hf, self.spec.layers.rsplit(".", 1)[0])
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        use_cache = use_cache or cache is not None
+        base = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=use_cache, **({"cache": cache} if cache is not None else {}))
+        hidden = base.last_hidden_state
         head = get_path(self.hf, self.spec.head)
-        out = RevFFNOutput()
+        out = RevFFNOutput(cache=base.cache if use_cache else None)
         if self.aux_loss_coef > 0 and self.spec.aux_loss and self._taps:
-            row_mask = None if attention_mask is None else attention_mask.reshape(-1).float()
+            rows = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:]  # the new tokens'
+            row_mask = None if rows is None else rows.reshape(-1).float()
             trainable = torch.is_grad_enabled() and any(p.requires_grad for r in self.routers() for p in r.parameters())
             aux = SwitchAux(self.num_experts, self.top_k, row_mask, differentiable=trainable)
             for tap in self._taps:

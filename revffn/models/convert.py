@@ -31,7 +31,14 @@ from transformers import masking_utils
 
 from revffn.errors import UserError
 from revffn.models.architectures import spec_for
-from revffn.models.layout import attn_branch, check_convertible, logits_transform, mlp_branch
+from revffn.models.layout import (
+    CACHE_KWARGS,
+    attn_branch,
+    cache_kwarg,
+    check_convertible,
+    logits_transform,
+    mlp_branch,
+)
 from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.models.spec import ArchSpec, config_value, get_path
 from revffn.reversible.coupling import RevBlock, StackContext, run_stack
@@ -131,7 +138,7 @@ class HFRevBlock(RevBlock):
         with sctx.autocast():
             x = self.p_up_attn(X_2.to(self.p_up_attn.weight.dtype))
             x = attn_branch(self.base_layer, self.spec, self.mixer, x, sctx.position_embeddings, mask,
-                            self.branch_scale, self.branch_dropout)
+                            self.branch_scale, self.branch_dropout, sctx.cache)
             return self.p_down_attn(x).to(X_2.dtype)
 
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
@@ -174,30 +181,34 @@ class RevFFNOutput:
     aux_loss: torch.Tensor | None = None
     loss_sum: torch.Tensor | None = None
     n_tokens: torch.Tensor | None = None
+    cache: object | None = None  # the transformers Cache, extended by this call (`use_cache`)
 
 
-def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids) -> dict:
+def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids, cache=None) -> dict:
     """Keyword arguments for transformers' mask builders across 5.x signature changes."""
     params = inspect.signature(fn).parameters
     kw = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
     kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
-    for name in ("cache", "past_key_values"):
+    for name in CACHE_KWARGS:
         if name in params:
-            kw[name] = None
+            kw[name] = cache
     if "cache_position" in params:
-        kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+        past = cache.get_seq_length() if cache is not None else 0
+        kw["cache_position"] = torch.arange(past, past + embeds.shape[1], device=embeds.device)
     return kw
 
 
-def _mask_for(layer_type: str, config, embeds, attention_mask, position_ids):
+def _mask_for(layer_type: str, config, embeds, attention_mask, position_ids, cache=None):
     """The mask HF gives layers of `layer_type`: its builder in transformers' layer-pattern table
     (causal, sliding-window, chunked; the raw 2-D padding mask for linear-attention / SSM / conv
-    layers), a causal mask for a type the table does not know. A dict entry builds a dict of masks."""
+    layers), a causal mask for a type the table does not know. A dict entry builds a dict of masks.
+    With a `cache`, the queries are the new tokens and the keys everything cached before them too
+    (`attention_mask` then covers both, as in HF)."""
     table = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
     fn = table.get(layer_type, masking_utils.create_causal_mask)
     if isinstance(fn, dict):
-        return {k: f(**_mask_fn_kwargs(f, config, embeds, attention_mask, position_ids)) for k, f in fn.items()}
-    return fn(**_mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids))
+        return {k: f(**_mask_fn_kwargs(f, config, embeds, attention_mask, position_ids, cache)) for k, f in fn.items()}
+    return fn(**_mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids, cache))
 
 
 # Decoder-layer forward inputs a reversible block gives (or that do not matter in training).
@@ -350,46 +361,74 @@ class RevFFNForCausalLM(nn.Module):
         return any(p.requires_grad for r in self.routers() for p in r.parameters())
 
     # -- forward ----------------------------------------------------------------------------------
-    def _context(self, embeds, attention_mask, position_ids) -> StackContext:
+    @property
+    def supports_cache(self) -> bool:
+        """Whether every block's token mixer takes a transformers KV cache (`forward(cache=...)`)."""
+        return all(cache_kwarg(get_path(b.base_layer, b.mixer)) for b in self.blocks)
+
+    def _context(self, embeds, attention_mask, position_ids, cache=None) -> StackContext:
+        """Masks, rotary embeddings and the load-balancing accumulator of one forward; with a `cache`,
+        `embeds` are the new tokens, `attention_mask` (B, cached + new) covers the cached ones too, and
+        no load-balancing loss is accumulated (decoding trains nothing)."""
         config = self.hf.config
-        masks = {key: _mask_for(key, config, embeds, attention_mask, position_ids)
+        masks = {key: _mask_for(key, config, embeds, attention_mask, position_ids, cache)
                  for key in sorted({b.mask_key for b in self.blocks})}
         position_embeddings = self.rope(embeds, position_ids)
         aux = None
-        if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts:
+        if self.aux_loss_coef > 0 and self.spec.aux_loss and self.num_experts and cache is None:  # decoding: no loss
             row_mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float32)
             aux = SwitchAux(self.num_experts, self.top_k, row_mask,
                             differentiable=self.router_trainable() and torch.is_grad_enabled())
         return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
-                            per_layer_position=self.rope.per_layer)
+                            per_layer_position=self.rope.per_layer, cache=cache)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True, probe=None,
-                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> RevFFNOutput:
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0, cache=None,
+                use_cache: bool = False) -> RevFFNOutput:
         """Args: input_ids (B, T); attention_mask (B, T) 1 for tokens, 0 for padding; labels (B, T)
         with -100 where no loss is taken (shifted inside). `return_logits=False` skips the
-        (B, T, V) logits (the training loop's path: the loss is computed in chunks)."""
+        (B, T, V) logits (the training loop's path: the loss is computed in chunks).
+
+        Incremental decoding, as HF's: `cache` (a transformers `DynamicCache`) holds the keys and values
+        of the tokens before input_ids, which are then only the new ones; attention_mask (B, cached + T)
+        covers both; position_ids default to the positions after the cached ones. `use_cache` starts a
+        cache when none is given; `out.cache` is the extended one. The plain twin only: the reversible
+        backward recomputes F, which would extend the cache twice.
+
+        Raises:
+            ValueError: a cache with the reversible path (training with grad), or with a token mixer
+                that takes none (`supports_cache`).
+        """
         hf, spec = self.hf, self.spec
         B, T = input_ids.shape
+        reversible = self.reversible and self.training and torch.is_grad_enabled()
+        if cache is None and use_cache and not reversible and self.supports_cache:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=hf.config)
+        if cache is not None and (reversible or not self.supports_cache):
+            raise ValueError("a KV cache needs the plain twin (eval, or no grad) and token mixers that take one "
+                             "(`supports_cache`). Fix: model.eval(), or run without a cache.")
         embeds = get_path(hf, spec.embed)(input_ids)
         if self.embed_scale != 1.0:  # granite's embedding_multiplier
             embeds = embeds * self.embed_scale
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
-        sctx = self._context(embeds, attention_mask, position_ids)
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)
+        sctx = self._context(embeds, attention_mask, position_ids, cache)
         sctx.probe = probe
         sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
         sctx.replay_rng = self.debug.rng_replay
         sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
         X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
-        reversible = self.reversible and self.training and torch.is_grad_enabled()
         with self.debug.stack_scope():
             Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
         self.last_stack_stats = sctx.stats
         norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
         with sctx.autocast():
             hidden = norm(torch.cat([Y_1, Y_2], dim=-1).to(norm.weight.dtype))
-            out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None)
+            out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None, cache=cache)
             if labels is not None:
                 loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,
                                                    self.logits_scale, self.logits_softcap)

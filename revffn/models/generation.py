@@ -5,10 +5,14 @@
     print(generate_texts(model, tok, chat_prompts(["Put commas between: rope ink tea"], tok))[0])
 
 Batches are left-padded; positions follow the attention mask, so a batched prompt decodes exactly
-as it would alone.
+as it would alone. A KV cache holds the keys and values of every token seen (`use_cache`, the
+default): each step feeds only the new token, not the whole prefix again (`scripts/generate_speed.py`
+measures the difference); the tokens are the same.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -23,18 +27,26 @@ def stop_ids(tokenizer) -> set[int]:
 
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pad_id: int,
-                 device="cpu") -> list[list[int]]:
-    """Greedy decoding for a batch of token-id prompts (left-padded; positions follow the mask)."""
+                 device="cpu", use_cache: bool = True) -> list[list[int]]:
+    """Greedy decoding for a batch of token-id prompts (left-padded; positions follow the mask).
+
+    With `use_cache` the model keeps its KV cache (`out.cache`) and each step feeds the tokens it has
+    not seen; a model that returns none (a converted model whose token mixers take no cache) gets the
+    whole sequence every step, as without it. A finished sequence is padded, masked out."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     out: list[list[int]] = [[] for _ in prompts]
     stop_t = torch.tensor(sorted(stop), device=device)
+    cache, seen = None, 0  # seen: the tokens of `ids` the cache holds
     for _ in range(max_new_tokens):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[:, -1]
-        nxt = logits.argmax(-1)
+        step = model(ids[:, seen:], attention_mask=mask, position_ids=pos[:, seen:], logits_to_keep=1,
+                     cache=cache, use_cache=use_cache)
+        cache = step.cache
+        seen = ids.shape[1] if cache is not None else 0
+        nxt = step.logits[:, -1].argmax(-1)
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
                 out[i].append(t)
@@ -47,14 +59,26 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: set
     return [[t for t in seq if t not in stop] for seq in out]
 
 
+def save_generation_config(out_dir: Path, tokenizer) -> None:
+    """generation_config.json in a model directory: transformers' `generate()` stops where
+    `revffn generate` stops (`stop_ids`) and pads with the tokenizer's pad token."""
+    from transformers import GenerationConfig
+
+    path = Path(out_dir)
+    saved = (path / "generation_config.json").is_file()  # save_pretrained writes one for a plain HF model
+    config = GenerationConfig.from_pretrained(path) if saved else GenerationConfig()
+    config.eos_token_id, config.pad_token_id = sorted(stop_ids(tokenizer)), tokenizer.pad_token_id
+    config.save_pretrained(path)
+
+
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,
-                   device=None) -> list[str]:
+                   device=None, use_cache: bool = True) -> list[str]:
     """Greedy completions of already-rendered prompt `texts` (see `data.templates.chat_prompts`), decoded
     without the stop tokens."""
     device = device if device is not None else next(model.parameters()).device
     stop, results = stop_ids(tokenizer), []
     for i in range(0, len(texts), batch_size):
         chunk = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[i : i + batch_size]]
-        for seq in generate_ids(model, chunk, max_new_tokens, stop, tokenizer.pad_token_id, device):
+        for seq in generate_ids(model, chunk, max_new_tokens, stop, tokenizer.pad_token_id, device, use_cache):
             results.append(tokenizer.decode(seq, skip_special_tokens=True))
     return results

@@ -40,6 +40,8 @@ OUTSIDE_KEYS: dict[str, float | None] = {
 }
 # the kwargs a token mixer may take; each is passed only where its forward accepts it
 MIXER_KWARGS = ("position_embeddings", "attention_mask")
+# what a module's forward calls the KV cache, newest first (transformers 5.24 renamed past_key_values)
+CACHE_KWARGS = ("cache", "past_key_values")
 
 
 # -- the branches ------------------------------------------------------------------------------------
@@ -50,6 +52,20 @@ def _accepted(cls: type) -> frozenset[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return frozenset(p.name for p in params)
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str | None:
+    params = inspect.signature(cls.forward).parameters
+    return next((name for name in CACHE_KWARGS if name in params), None)
+
+
+def cache_kwarg(module: nn.Module) -> str | None:
+    """The name `module.forward` takes a KV cache under (`cache` or `past_key_values`), or None.
+
+    Only a name in the signature counts: a cache passed to a forward that merely has **kwargs would
+    vanish there, and the next token would attend to nothing cached."""
+    return _cache_kwarg(type(module))
 
 
 def call_mixer(mixer: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -65,10 +81,15 @@ def _norm(layer: nn.Module, path: str | None, x: torch.Tensor) -> torch.Tensor:
 
 
 def attn_branch(layer: nn.Module, spec: ArchSpec, mixer: str, x: torch.Tensor, position_embeddings,
-                attention_mask, scale: float = 1.0, p_drop: float = 0.0) -> torch.Tensor:
-    """The attention (token-mixer) branch of `layer` at full width: (B, T, d) -> (B, T, d)."""
-    x = call_mixer(get_path(layer, mixer), _norm(layer, spec.attn_norm, x),
-                   position_embeddings=position_embeddings, attention_mask=attention_mask)
+                attention_mask, scale: float = 1.0, p_drop: float = 0.0, cache=None) -> torch.Tensor:
+    """The attention (token-mixer) branch of `layer` at full width: (B, T, d) -> (B, T, d).
+
+    With a transformers `cache`, the mixer stores this call's keys and values (or recurrent state) in
+    it and attends over everything cached: x then holds only the new tokens."""
+    module = get_path(layer, mixer)
+    extra = {cache_kwarg(module): cache} if cache is not None else {}
+    x = call_mixer(module, _norm(layer, spec.attn_norm, x), position_embeddings=position_embeddings,
+                   attention_mask=attention_mask, **extra)
     x = _norm(layer, spec.attn_post_norm, x)
     if p_drop:
         x = F.dropout(x, p=p_drop, training=layer.training)

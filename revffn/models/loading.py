@@ -120,9 +120,22 @@ def hf_config(model: str, **overrides):
                   if not k.startswith("_")}
         config = transformers.AutoConfig.for_model(fields.pop("model_type"), **{**fields, **overrides})
     else:
-        config = transformers.AutoConfig.from_pretrained(resolve_model_ref(model, weights=False),
-                                                         local_files_only=True, **overrides)
+        config = stored_config(resolve_model_ref(model, weights=False), **overrides)
     config.name_or_path = model
+    return config
+
+
+def stored_config(path: str | Path, **overrides):
+    """The HF config a model directory holds; for a converted model written as transformers loads it
+    (config.json of model_type `revffn`, `models.hf_remote`), the base model's config inside it."""
+    from transformers import AutoConfig
+
+    from revffn.models.hf_remote import RevFFNConfig
+
+    if json.loads((Path(path) / "config.json").read_text()).get("model_type") != RevFFNConfig.model_type:
+        return AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+    config = RevFFNConfig.from_pretrained(path, local_files_only=True).text_config
+    config.update(overrides)
     return config
 
 
@@ -208,11 +221,12 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     """A model from a run's `final/` (or any save_pretrained) directory or a Hub ID, ready for eval and generation.
 
     `final/revffn.json` says how it was written: `format: hf` (a plain HF directory: full, ckpt, hift,
-    and LoRA/DoRA/ReFTA merged) or `format: revffn` (base HF config + the converted weights). Weights
+    and LoRA/DoRA/ReFTA merged) or `format: revffn` (the converted weights, with the base HF config
+    inside a `revffn` config.json, or, as revffn wrote it before, as config.json itself). Weights
     are cast to `dtype` (fp32 by default, whatever the dtype on disk).
     """
     from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from revffn.models.causal_lm import CausalLM
     from revffn.models.convert import convert
@@ -223,8 +237,8 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                         "directory or an HF save_pretrained directory.")
     manifest = json.loads((root / "revffn.json").read_text()) if (root / "revffn.json").is_file() else {}
     if manifest.get("format") == "revffn":  # a revffn run's final/ or a `revffn convert` directory
-        config = AutoConfig.from_pretrained(root, local_files_only=True)
-        hf = AutoModelForCausalLM.from_config(config)
+        # built in `dtype`: from_config would take the config's own (bf16 for builtin:base) and round the weights
+        hf = AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype)
         stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
         model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream)
         load_model(model, str(root / "model.safetensors"))

@@ -15,10 +15,10 @@ cache: data-free calibration and heal text.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
+from revffn.models.layout import cache_kwarg
 from revffn.models.spec import get_path
 
 
@@ -73,11 +73,6 @@ def student_hidden(model):
         handle.remove()
 
 
-def _cache_kwarg(layer) -> str:
-    params = inspect.signature(layer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.no_grad()
 def sample_self(model, n_sequences: int, length: int, start_id: int, temperature: float = 1.0, seed: int = 0,
                 batch_size: int = 64) -> torch.Tensor:
@@ -93,7 +88,7 @@ def sample_self(model, n_sequences: int, length: int, start_id: int, temperature
     head, norm = get_path(model.hf, model.spec.head), get_path(model.hf, model.spec.final_norm)
     rotary = get_path(model.hf, model.spec.rotary)
     blocks = list(model.blocks)
-    key = _cache_kwarg(blocks[0].base_layer)
+    key = cache_kwarg(blocks[0].base_layer) or "cache"
     gen = torch.Generator(device="cpu").manual_seed(seed)
     was_training = model.training
     model.eval()

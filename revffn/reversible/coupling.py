@@ -64,6 +64,7 @@ class StackContext:
     track_flips: bool = False  # count choices the rebuilt input would have changed (debug)
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
     recompute_chunk_tokens: int = 0  # rows (of B*T) per chunk of a token-wise G's backward recompute; 0: whole
+    cache: object | None = None  # a transformers Cache the token mixers extend (incremental decoding; plain twin only)
     # filled by RevStackFunction: record_bytes (choice indices, router top-k included), rng_bytes,
     # rng_sub_blocks [(layer_idx, "F"|"G")], record_storages (choices and RNG: to exclude from
     # activation counts), routing_flips (choices the rebuilt input would have changed),

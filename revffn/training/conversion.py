@@ -6,8 +6,9 @@ from it without converting again, so one heal serves many tasks.
     revffn train model=runs/base-rev output_dir=runs/qs
 
 Everything is checked before the model is loaded (bad input: exit 2, nothing written), and DIR is
-written aside and renamed into place. DIR holds the converted weights (`model.safetensors`), the base
-HF config, the tokenizer and `revffn.json` (`format: revffn`, the calibration and heal reports, and
+written aside and renamed into place. DIR holds the converted model as transformers loads it with
+remote code (`models.hf_remote`: config.json with the base HF config inside, `model.safetensors`, the
+two modeling files), the tokenizer and `revffn.json` (`format: revffn`, the calibration and heal reports, and
 the loss on the eval set of the base, of the plain `coordinate` conversion, after calibration and
 after the heal). The eval set defaults to `builtin:retention_test` for `builtin:base` (its held-out
 pretraining text); other models report no gap unless `eval_data` is given.
@@ -21,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
 
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
@@ -37,6 +37,8 @@ from revffn.methods.conversion import (
 )
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import convert
+from revffn.models.generation import save_generation_config
+from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.evaluate import RETENTION_SET, retention_loss
@@ -133,9 +135,9 @@ def _write(model, tokenizer, out: Path, manifest: dict) -> None:
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
+    save_converted(model, tmp)
     tokenizer.save_pretrained(tmp)
+    save_generation_config(tmp, tokenizer)
     write_manifest(tmp, **manifest)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
+from revffn.models.generation import save_generation_config
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
 from revffn.training.evaluate import eval_loss
 from revffn.training.parallel import (
@@ -198,6 +199,7 @@ class Recipe:
         tmp.mkdir()
         self.run.method.export(self.run.model, tmp)
         self.plan.tokenizer.save_pretrained(tmp)
+        save_generation_config(tmp, self.plan.tokenizer)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         barrier()

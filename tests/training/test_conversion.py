@@ -27,7 +27,8 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
     assert manifest["format"] == "revffn" and is_converted(str(out))
     assert set(manifest["conversion_gap"]) == {"data", "base", "coordinate", "calibrated", "healed"}
     assert len(manifest["calibration"]["residuals"]) == 4 * 2 and manifest["heal"]["steps"] == 2
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "modeling_revffn.py",
+            "generation_config.json"} <= {p.name for p in out.iterdir()}  # as a run's final/: transformers loads it
     converted = load(str(out))
     coordinate = torch.zeros_like(converted.blocks[0].p_up_attn.weight)
     coordinate[32:] = torch.eye(32)

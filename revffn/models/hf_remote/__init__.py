@@ -1,0 +1,37 @@
+"""A revffn `final/` that transformers loads: `AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)`.
+
+`save_converted` writes a converted model as config.json (a `RevFFNConfig`: the base model's config
+as `text_config`, `auto_map` naming the two files below), model.safetensors (the converted weights,
+keys as `RevFFNForCausalLM` names them) and the two files themselves, `configuration_revffn.py` and
+`modeling_revffn.py`, copied from this package: transformers imports them from `final/`, and they
+import revffn. `revffn.load` reads the same directory without them (`models.loading.stored_config`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_model
+
+from revffn.models.hf_remote.configuration_revffn import RevFFNConfig
+
+REMOTE_FILES = ("configuration_revffn.py", "modeling_revffn.py")
+AUTO_MAP = {"AutoConfig": "configuration_revffn.RevFFNConfig",
+            "AutoModelForCausalLM": "modeling_revffn.RevFFNModelForCausalLM"}
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_converted(model, out_dir: Path) -> None:
+    """Write `model` (a `RevFFNForCausalLM`) into `out_dir` as transformers loads it with remote code."""
+    dtype = dtype_name(next(model.parameters()).dtype)  # the weights' dtype, as save_pretrained records it
+    config = RevFFNConfig(text_config={**model.config.to_dict(), "dtype": dtype}, dtype=dtype,
+                          stream_dtype=dtype_name(model.stream_dtype), architectures=["RevFFNModelForCausalLM"])
+    config.auto_map = AUTO_MAP
+    config.save_pretrained(out_dir)
+    save_model(model, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+    for name in REMOTE_FILES:
+        shutil.copyfile(Path(__file__).parent / name, Path(out_dir) / name)

@@ -1,0 +1,119 @@
+"""A revffn `final/` loads with plain transformers (`trust_remote_code`) and generates what `revffn generate`
+does; a baseline's `final/` stays a plain HF directory; final/ written before the remote-code format loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from revffn.cli import _load_for_cli, main
+from revffn.data.templates import chat_prompts
+from revffn.methods.base import write_manifest
+from revffn.models.convert import convert
+from revffn.models.generation import generate_ids, stop_ids
+from revffn.models.hf_remote import AUTO_MAP, REMOTE_FILES, save_converted
+from revffn.models.loading import hf_config, load
+from revffn.models.presets import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ["model=tiny-qwen2-moe", "max_steps=2", "data=builtin:commas_train", "eval_data=null", "eval_generate_limit=0",
+         "per_device_train_batch_size=2", "max_seq_length=32", "save_steps=0", "logging_steps=1"]
+REVFFN = ["method=revffn", "revffn.adapter_warmup_steps=0", "revffn.adapter_init=coordinate"]  # no calibration text
+PROMPTS = ["Put commas between: rope ink tea", "Put commas between: a b"]
+NEW_TOKENS = 16
+
+# a fresh interpreter that knows nothing but transformers: load, check the class, generate greedily
+HF_SIDE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+final, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True, dtype=torch.float32)
+width = max(map(len, prompts))
+ids = torch.tensor([[model.generation_config.pad_token_id] * (width - len(p)) + p for p in prompts])
+mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+print(json.dumps({"pretrained": isinstance(model, PreTrainedModel), "class": type(model).__name__,
+                  "cached": isinstance(out.cache, DynamicCache) and out.cache.get_seq_length(),
+                  "width": width, "new": out.sequences[:, width:].tolist()}))
+"""
+
+
+def _train(tmp_path: Path, name: str, *extra: str) -> Path:
+    run = tmp_path / name
+    assert main(["train", f"output_dir={run}", *TRAIN, *extra]) == 0
+    return run / "final"
+
+
+def _cut(seq: list[int], stop: set[int]) -> list[int]:
+    """HF's new tokens as `generate_ids` returns them: up to the first stop token, without it."""
+    return next((seq[:i] for i, t in enumerate(seq) if t in stop), seq)
+
+
+@pytest.mark.integration
+def test_revffn_final_loads_with_transformers_and_generates_as_revffn_generate(tmp_path, capsys, one_thread):
+    final = _train(tmp_path, "rev", *REVFFN)
+    capsys.readouterr()
+    config = json.loads((final / "config.json").read_text())
+    assert config["model_type"] == "revffn" and config["auto_map"] == AUTO_MAP
+    assert config["text_config"]["model_type"] == "qwen2_moe"
+    assert all((final / name).is_file() for name in REMOTE_FILES)
+
+    model, tok = _load_for_cli(str(final))  # what `revffn generate` decodes with
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in chat_prompts(PROMPTS, tok)]
+    stop = stop_ids(tok)
+    ours = generate_ids(model, prompts, NEW_TOKENS, stop, tok.pad_token_id)
+    assert ours == generate_ids(model, prompts, NEW_TOKENS, stop, tok.pad_token_id, use_cache=False)
+    assert main(["generate", str(final), *[a for p in PROMPTS for a in ("--prompt", p)],
+                 "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", HF_SIDE, str(final), json.dumps(prompts), str(NEW_TOKENS)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hf = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert hf["pretrained"] and hf["class"] == "RevFFNModelForCausalLM"
+    assert hf["cached"] == hf["width"] + NEW_TOKENS - 1  # generate() decoded with the KV cache
+    theirs = [_cut(seq, stop) for seq in hf["new"]]
+    assert theirs == ours, (theirs, ours)
+    assert any(len(set(seq)) > 2 for seq in ours)  # not a degenerate repetition that would match anyway
+    assert printed == [tok.decode(seq, skip_special_tokens=True) for seq in theirs]
+
+
+@pytest.mark.integration
+def test_baseline_final_stays_a_plain_hf_directory(tmp_path, one_thread):
+    final = _train(tmp_path, "full", "method=full")
+    config = json.loads((final / "config.json").read_text())
+    assert config["model_type"] == "qwen2_moe" and "auto_map" not in config
+    assert not any((final / name).exists() for name in REMOTE_FILES)
+    hf = AutoModelForCausalLM.from_pretrained(final, local_files_only=True)  # no remote code
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tok = _load_for_cli(str(final))[1]
+    assert set(GenerationConfig.from_pretrained(final).eos_token_id) == stop_ids(tok)  # stops as revffn generate
+
+
+def test_final_written_before_the_remote_code_format_still_loads(tmp_path, one_thread):
+    """Old final/: the base config as config.json (+ revffn.json); new: a `revffn` config.json. Same model."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).eval()
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    model.config.save_pretrained(old)
+    save_model(model, str(old / "model.safetensors"))
+    save_converted(model, new)
+    for d in (old, new):
+        write_manifest(d, format="revffn", method="revffn", stream_dtype="float32", adapter_init="coordinate")
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        for d in (old, new):
+            assert torch.equal(load(str(d))(ids).logits, ref), d
+    assert hf_config(str(new)).model_type == "qwen2_moe" and hf_config(str(new)).hidden_size == 64
