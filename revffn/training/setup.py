@@ -159,6 +159,12 @@ def prepare_run(cfg) -> RunPlan:
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
+    step_rows = cfg.per_device_train_batch_size * launched_world() * cfg.gradient_accumulation_steps
+    if step_rows > len(train_set.items):
+        raise UserError(f"per_device_train_batch_size {cfg.per_device_train_batch_size} x {launched_world()} "
+                        f"processes x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {step_rows} rows "
+                        f"a step, but data holds {len(train_set.items)}: every step would repeat examples. Fix: a "
+                        "smaller batch (or global_batch_size), or more data.")
     eval_set = None
     if cfg.eval_data:
         eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,

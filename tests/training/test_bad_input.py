@@ -38,7 +38,7 @@ def test_missing_config(tmp_path, capsys):
 def test_unreadable_config(tmp_path, capsys):
     d = tmp_path / "dir.yaml"
     d.mkdir()
-    _fails(capsys, ["train", str(d)], "dir.yaml", "cannot be read")
+    _fails(capsys, ["train", str(d)], "dir.yaml", "is a directory")
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
