@@ -10,7 +10,8 @@
     revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
     revffn convert builtin:base --out DIR --heal-steps 400   convert once: calibrated, healed; train from DIR
 
-Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed), 2 bad input.
+Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed),
+2 bad input, 3 training stalled (no step in stall_timeout_s; every thread's stack is in events.jsonl).
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def cmd_convert(args) -> int:
 def cmd_train(args) -> int:
     from revffn.training.config import load_config
     from revffn.training.loop import TrainingDiverged, run
+    from revffn.training.watch import STALL_EXIT, Stalled
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -193,6 +195,9 @@ def cmd_train(args) -> int:
     except TrainingDiverged as e:
         print(f"revffn train: diverged: {e}", file=sys.stderr)
         return 1
+    except Stalled as e:  # the last attempt under max_restarts; without it the watchdog exits 3 itself
+        print(f"revffn train: stalled: {e}", file=sys.stderr)
+        return STALL_EXIT
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
         print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
               f"report in {cfg.output_dir}/report.md")

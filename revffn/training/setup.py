@@ -23,7 +23,7 @@ from revffn.training.optim import check_optimizer
 from revffn.training.parallel import launched_world, pick_distributed
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
-             "events.jsonl")
+             "events.jsonl", "heartbeat.json")
 
 
 @dataclass
