@@ -1,5 +1,6 @@
 """The `revffn` command line: one subcommand per job.
 
+    revffn doctor [--device cuda] [--json]          is this machine ready? (the first thing to run on one)
     revffn train [CONFIG.yaml] [key=value ...]      fine-tune (no CONFIG: the built-in quickstart)
     revffn validate CONFIG.yaml [key=value ...]     check config and data without training
     revffn generate MODEL_DIR --prompt TEXT         greedy generation
@@ -10,7 +11,8 @@
     revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
     revffn convert builtin:base --out DIR --heal-steps 400   convert once: calibrated, healed; train from DIR
 
-Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed), 2 bad input.
+Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed, doctor found a problem),
+2 bad input, 3 training stalled (no step in stall_timeout_s; every thread's stack is in events.jsonl).
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def cmd_check(args) -> int:
                        device=args.device, hidden=args.hidden)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
+
+
+def cmd_doctor(args) -> int:
+    from revffn.reports.doctor import format_doctor, run_doctor
+
+    report = run_doctor(args.device, args.output_dir, args.probe_mib)
+    print(json.dumps(report) if args.json else format_doctor(report))
+    return 0 if report["healthy"] else 1
 
 
 def cmd_bench(args) -> int:
@@ -190,6 +200,7 @@ def cmd_convert(args) -> int:
 def cmd_train(args) -> int:
     from revffn.training.config import load_config
     from revffn.training.loop import TrainingDiverged, run
+    from revffn.training.watch import STALL_EXIT, Stalled
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -197,6 +208,9 @@ def cmd_train(args) -> int:
     except TrainingDiverged as e:
         print(f"revffn train: diverged: {e}", file=sys.stderr)
         return 1
+    except Stalled as e:  # the last attempt under max_restarts; without it the watchdog exits 3 itself
+        print(f"revffn train: stalled: {e}", file=sys.stderr)
+        return STALL_EXIT
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
         print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
               f"report in {cfg.output_dir}/report.md")
@@ -264,6 +278,17 @@ def cmd_eval(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="revffn", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="environment check: versions, devices, memory probe, bf16, a tiny reversible "
+                       "parity run, disk at --output-dir (exit 1 when one fails)")
+    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="the device to check (auto: "
+                   "CUDA when there is one)")
+    d.add_argument("--output-dir", default="runs", help="where runs will go: free disk and write access (default: "
+                   "%(default)s)")
+    d.add_argument("--probe-mib", type=_positive, default=None, help="memory probe size (default: 90%% of the GPU's "
+                   "free memory; on the host 1 GiB, at most half of what is available)")
+    d.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    d.set_defaults(fn=cmd_doctor)
+
     c = sub.add_parser("check", help="consistency check: reversible vs plain-autograd gradients")
     c.add_argument("--model", default="tiny-qwen2-moe", help="preset name or local HF directory")
     c.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")

@@ -1,4 +1,4 @@
-"""Measure memory: bytes saved for backward (saved_tensors_hooks), process peak RSS, CUDA peaks.
+"""Measure memory: bytes saved for backward (saved_tensors_hooks), process peak RSS, CUDA peaks, in use now.
 
 Saved bytes are counted per unique storage: a saved view keeps its whole storage alive, and a
 tensor saved twice costs once. Parameters (and views of them) are excluded: they live anyway.
@@ -71,3 +71,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
+
+
+def memory_in_use_bytes(device: torch.device) -> int:
+    """CUDA memory allocated now on GPU, process RSS now on CPU (what a leak raises step after step)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return current_rss_bytes()

@@ -41,7 +41,16 @@ SCHEMA: dict[str, Key] = {
                      choices=("none", *TRACKERS), multiple=True),
     "seed": Key(int, 0, "seed for init, data order and dropout"),
     "resume": Key((bool, str), False, "false | true (latest checkpoint in output_dir) | a checkpoint path"),
-    "max_restarts": Key(int, 0, "restart from the last checkpoint after an unexpected crash, up to N times", min=0),
+    "max_restarts": Key(int, 0, "restart from the last checkpoint after a crash, a kill or a stall, up to N "
+                        "times (each attempt then runs in a child process)", min=0),
+    "stall_timeout_s": Key(int, 1800, "seconds without a completed optimizer step (its eval and checkpoint "
+                           "included) before the run writes every thread's stack to events.jsonl and exits with "
+                           "code 3; max_restarts restarts it (0 disables)", min=0),
+    "memory_growth_window": Key(int, 50, "steps over which a steady rise of the memory in use after each step "
+                                "warns of a leak (events.jsonl, the report), after as many warm-up steps (0 "
+                                "disables)", min=0),
+    "memory_growth_tolerance_mib": Key(float, 64.0, "the rise over memory_growth_window steps that warns (MiB)",
+                                       min=0, min_exclusive=True),
     "per_device_train_batch_size": Key(int, 4, "examples per micro-batch", min=1),
     "gradient_accumulation_steps": Key(int, 1, "micro-batches per optimizer step", min=1),
     "global_batch_size": Key((int, type(None)), None, "examples per optimizer step over all processes (null: "

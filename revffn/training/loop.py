@@ -16,6 +16,11 @@ each rank holds the whole model and optimizer, so rank 0's ordinary checkpoint i
 FSDP every rank writes its shards of a DCP checkpoint, evaluates with the others, and takes part in
 gathering the model that rank 0 exports. Peak memory is the max over ranks. A job torchrun restarts
 (`--max-restarts`) resumes from the last checkpoint (`setup.resolve_launch`).
+
+While the steps run, `watch.RunWatch` rewrites heartbeat.json, ends a stalled process with exit code 3
+(`stall_timeout_s`) and warns of steadily growing memory. With `max_restarts` > 0 each attempt runs in
+a child process (`watch.run_in_child`), so a stall, a kill or a crash ends only the attempt, and the
+next one resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from revffn.training.report import write_run_report
 from revffn.training.setup import clear_run, model_overrides, prepare_run, resolve_launch, saved_config_text
 from revffn.training.step import StepResult, build_run, train_step
 from revffn.training.trackers import Trackers
+from revffn.training.watch import RunWatch, append_event, run_in_child
 
 Fault = Callable[[str, int], None]
 """Test hook `fault(point, step)`: called after each optimizer step ("step") and in the middle of
@@ -74,13 +80,15 @@ class _Window:
 
 
 class Recipe:
-    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the trackers."""
+    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the trackers,
+    and stops the watchdog."""
 
     def __init__(self, cfg, plan, fault: Fault | None = None):
         self.cfg, self.plan, self.fault = cfg, plan, fault
         self.step, self.stage = 0, None
+        self.logged: tuple[int, float] | None = None  # the last metrics line's (step, loss): the heartbeat's
         self.main = is_main_process()  # rank 0 (or the only process): writes the run's files
-        self._open = contextlib.ExitStack()  # the metrics file, the bar and the trackers
+        self._open = contextlib.ExitStack()  # the metrics file, the bar, the trackers and the watchdog
         self.failed = False  # how `cleanup` finishes the trackers' runs
 
     def setup(self) -> None:
@@ -112,6 +120,8 @@ class Recipe:
         cfg = self.cfg
         self.window = _Window(torch.zeros((), device=self.plan.device))
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.plan.device)  # sticky, checked per line
+        watch = self._open.enter_context(RunWatch(cfg, self.plan.run_dir, self.run.device, self.main,
+                                                  data_shard()[0]))  # stopped by cleanup, with the bar
         while self.step < cfg.max_steps:
             micro = self._micro_batches()
             prev_stage = self.stage
@@ -129,6 +139,7 @@ class Recipe:
                 self._log(result)
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                 self._save()
+            watch.step(self.step, self.logged)
 
     def _micro_batches(self) -> list[dict]:
         """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order: this
@@ -158,6 +169,7 @@ class Recipe:
         rec.update(run.method.log_metrics(run.model, run.optimizer))
         if self.main:
             self._write(rec, train_loss)
+        self.logged = (step, train_loss)
         self.window = _Window(w.loss_sum.zero_())  # the next line's window starts now
 
     def _write(self, rec: dict, train_loss: float) -> None:
@@ -206,7 +218,8 @@ class Recipe:
         return final
 
     def cleanup(self, failed: bool = False) -> None:
-        """Close the bar, the metrics file and the trackers (idempotent); `failed` marks the trackers' runs failed."""
+        """Close the bar, the metrics file and the trackers, stop the watchdog (idempotent); `failed` marks
+        the trackers' runs failed."""
         self.failed = failed
         self._open.close()
 
@@ -274,7 +287,8 @@ def _truncate_metrics(path, step: int) -> None:
 
 
 def run(cfg, fault: Fault | None = None) -> dict:
-    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash;
+    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash, a kill
+    or a stall (each attempt then runs in a child process, `watch.run_in_child`);
     under torchrun, the process group is left at the end (`parallel.init_distributed` joined it), and
     a collective that gave up waiting for the other ranks ends the run with `CollectiveTimeout`."""
     try:
@@ -296,13 +310,10 @@ def _log_restart(run_dir: Path, restart: int, error: str, max_restarts: int | No
     from revffn.training.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir)
-    event = {"event": "restart", "restart": restart, "max_restarts": max_restarts, "error": error,
-             "from_step": int(ckpt.name.split("-")[1]) if ckpt else 0}
-    if run_dir.is_dir():
-        with open(run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps(event) + "\n")
+    from_step = int(ckpt.name.split("-")[1]) if ckpt else 0
+    append_event(run_dir, "restart", restart=restart, max_restarts=max_restarts, error=error, from_step=from_step)
     print(f"revffn train: restart {restart}{f'/{max_restarts}' if max_restarts else ''} after {error} "
-          f"(from step {event['from_step']})", file=sys.stderr)
+          f"(from step {from_step})", file=sys.stderr)
     return ckpt
 
 
@@ -314,6 +325,8 @@ def _run(cfg, fault: Fault | None) -> dict:
         _log_restart(Path(cfg.output_dir), restarts, "torchrun restarted the job")
     while True:
         try:
+            if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
+                return run_in_child(train, cfg, restarts, fault, restart=restarts)
             return train(cfg, restarts, fault)
         except (UserError, TrainingDiverged, KeyboardInterrupt):
             raise

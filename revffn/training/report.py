@@ -1,7 +1,8 @@
 """Per-run report: report.md, loss.png (train + eval, stage boundaries marked), memory.png.
 
-Rendered from `metrics.jsonl` and `config.yaml` in the run directory, so it can be regenerated at
-any time; the loop writes it at the end of a run and also when the run stops on an error.
+Rendered from `metrics.jsonl`, `events.jsonl` (stalls, memory-growth warnings) and `config.yaml` in
+the run directory, so it can be regenerated at any time; the loop writes it at the end of a run and
+also when the run stops on an error.
 """
 
 from __future__ import annotations
@@ -12,11 +13,28 @@ from pathlib import Path
 import yaml
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return _read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def event_lines(run_dir: Path) -> list[str]:
+    """The report's lines for events.jsonl's stalls and memory-growth warnings (restarts: the summary)."""
+    lines = []
+    for e in _read_jsonl(Path(run_dir) / "events.jsonl"):
+        if e["event"] == "stall":
+            lines.append(f"- stalled after step {e['step']}: no step in {e['stall_timeout_s']} s, the process exited "
+                         "with code 3 (every thread's stack: events.jsonl)")
+        elif e["event"] == "memory_growth":
+            lines.append(f"- **warning: memory in use rose {e['rise_mib']} MiB over steps {e['from_step']}-{e['step']}"
+                         f"** (rising on {e['steps_rising']} of {e['window']} steps; tolerance "
+                         f"{e['tolerance_mib']:g} MiB): a leak? Look for tensors kept by hooks or lists.")
+    return lines
 
 
 def _stage_boundaries(rows: list[dict]) -> list[tuple[int, str]]:
@@ -99,6 +117,7 @@ def write_run_report(run_dir: Path, summary: dict) -> None:
         lines.append(f"- data: {json.dumps(stats)}")
     if summary.get("restarts"):
         lines.append(f"- automatic restarts: {summary['restarts']} (see events.jsonl)")
+    lines += event_lines(run_dir)
     lines += ["", "![loss](loss.png)", "", "![memory](memory.png)", "", "## Config", "", "```yaml",
               yaml.safe_dump(cfg, sort_keys=False).rstrip(), "```", ""]
     (run_dir / "report.md").write_text("\n".join(lines))

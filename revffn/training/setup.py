@@ -24,7 +24,7 @@ from revffn.training.parallel import launched_world, pick_distributed
 from revffn.training.trackers import check_trackers
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
-             "events.jsonl", "tensorboard")
+             "events.jsonl", "tensorboard", "heartbeat.json")
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""`revffn train` with a fault injected, for the kill -9 / crash tests (run in a child process):
+"""`revffn train` with a fault injected, for the kill -9 / crash / stall / leak tests (run in a child process):
 
     python tests/training/fault_run.py 'kill@step:7' CONFIG.yaml key=value ...
     python tests/training/fault_run.py 'kill@save:9,raise@step:5' CONFIG.yaml ...
 
 SPEC is a comma-separated list of ACTION@POINT:STEP[:RANK]. POINT is `step` (after that optimizer
 step) or `save` (in the middle of writing that step's checkpoint). ACTION `kill` sends SIGKILL to this
-process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank). A restart
-of the run does not see a fault again: not in the same process, nor after torchrun restarted the job
-(TORCHELASTIC_RESTART_COUNT > 0). Under torchrun, RANK limits a fault to that rank.
+process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank, a stalled
+step); `leak` makes a forward hook on every module keep its output from then on (debug code holding
+tensors: a memory leak). A restart of the run does not see a fault again: not in the same process,
+nor in the child process of a `max_restarts` restart (REVFFN_RESTART_COUNT > 0), nor after torchrun
+restarted the job (TORCHELASTIC_RESTART_COUNT > 0). Under torchrun, RANK limits a fault to that rank.
 
     torchrun --nproc-per-node 2 tests/training/fault_run.py 'kill@step:3:1' CONFIG.yaml ...
 """
@@ -20,6 +22,9 @@ import signal
 import sys
 import time
 
+KEPT: list = []  # what the `leak` fault keeps
+LEAKING = {"on": False}
+
 
 def parse_fault(spec: str):
     """The `fault(point, step)` callback of SPEC (see the module docstring)."""
@@ -27,18 +32,22 @@ def parse_fault(spec: str):
     for item in filter(None, spec.split(",")):
         action, where = item.split("@")
         point, at, *rank = where.split(":")
-        if action not in ("kill", "raise", "hang") or point not in ("step", "save") or len(rank) > 1:
-            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang @ step|save : N [: RANK]")
+        if action not in ("kill", "raise", "hang", "leak") or point not in ("step", "save") or len(rank) > 1:
+            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang|leak @ step|save : N [: RANK]")
         if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
             continue
         items.append((item, action, point, int(at)))
     fired: set[str] = set()
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        items = []
 
     def fault(point: str, step: int) -> None:
+        if any(int(os.environ.get(v, "0")) for v in ("TORCHELASTIC_RESTART_COUNT", "REVFFN_RESTART_COUNT")):
+            return  # read at each call: a max_restarts attempt is a child forked after parse_fault
         for item, action, name, at in items:
             if name == point and at == step and item not in fired:
+                if action == "leak":
+                    LEAKING["on"] = True
+                    fired.add(item)
+                    return
                 if action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if action == "hang":
@@ -49,12 +58,30 @@ def parse_fault(spec: str):
     return fault
 
 
+def keeping_outputs(build_run):
+    """`build_run` whose model's modules each keep their output in KEPT once the `leak` fault fired."""
+
+    def keep(module, inputs, output):
+        if LEAKING["on"]:
+            KEPT.append(output)
+
+    def wrapped(*args, **kwargs):
+        run = build_run(*args, **kwargs)
+        for module in run.model.modules():
+            module.register_forward_hook(keep)
+        return run
+
+    return wrapped
+
+
 def main(argv: list[str]) -> int:
     from revffn import cli
     from revffn.training import loop
 
     spec, *train_args = argv
     loop.run = functools.partial(loop.run, fault=parse_fault(spec))  # what `revffn train` calls
+    if "leak@" in spec:
+        loop.build_run = keeping_outputs(loop.build_run)
     return cli.main(["train", *train_args])
 
 
