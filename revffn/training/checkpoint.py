@@ -7,6 +7,7 @@
         rng.pt                CPU and CUDA RNG states
         trainer_state.json    step, data order position, method state (stage, queues), restarts
         config.yaml           the resolved config of the run
+        manifest.json         sha256 of every file above, the math-relevant config, versions (manifest.py)
 
 Under FSDP (`sharded=True`) the model and optimizer are saved by every rank, each its shards, with
 torch.distributed.checkpoint (DCP) in `dcp/` instead of model.safetensors and optimizer.pt. DCP
@@ -14,7 +15,8 @@ reshards on load: such a checkpoint resumes on any number of processes, one incl
 strategy.
 
 A checkpoint is written to `checkpoints/.tmp-step-N` and renamed into place, so `step-N` exists
-only when complete; a `kill -9` mid-write leaves a `.tmp-*` that is ignored and cleaned up.
+only when complete; a `kill -9` mid-write leaves a `.tmp-*` that is ignored and cleaned up. The
+manifest is written last: `newest_verified` resumes the newest checkpoint whose files all match it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from revffn.errors import UserError
+from revffn.training.manifest import verify_checkpoint, write_manifest
 from revffn.training.parallel import barrier, is_main_process
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -51,9 +54,16 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1] if dirs else None
+def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint whose files match its manifest, or None; [(each newer one, its problem)]):
+    what every resume of a run starts from, `resume=true` and restarts alike."""
+    rejected = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, rejected
+        rejected.append((path, problem))
+    return None, rejected
 
 
 def rng_state() -> dict:
@@ -70,9 +80,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, config_text: str,
-                    keep: int, fault=None, sharded: bool = False) -> Path:
-    """Write checkpoints/step-{step} atomically, then delete all but the newest `keep`. Called by the
-    one process that holds the whole model, or with `sharded` by every rank (rank 0 does the rest)."""
+                    math_config: dict, keep: int, fault=None, sharded: bool = False) -> Path:
+    """Write checkpoints/step-{step} atomically, its manifest last, then delete all but the newest
+    `keep`. Called by the one process that holds the whole model, or with `sharded` by every rank
+    (rank 0 does the rest). `math_config`: `config.math_config` of the run, kept in the manifest."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     main = is_main_process()
@@ -94,6 +105,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         (tmp / "config.yaml").write_text(config_text)
+        write_manifest(tmp, math_config)  # after every shard: it hashes them
         if final.exists():  # a re-run of the same step after a restart
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -129,7 +141,8 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Restore model, optimizer and RNG from `path`; returns the trainer state."""
+    """Restore model, optimizer and RNG from `path` (verified: `newest_verified`, or
+    `manifest.verify_checkpoint`); returns the trainer state."""
     path = Path(path)
     state = read_trainer_state(path)
     if is_sharded_checkpoint(path):
