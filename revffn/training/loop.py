@@ -18,7 +18,8 @@ model that rank 0 exports. Peak memory is the max over ranks. A job torchrun res
 
 Every resume, restarts included, starts from the newest checkpoint that verifies against its
 manifest (`setup.resolve_resume`); the newer ones that fail are moved aside to
-`checkpoints/rejected-step-N`, and each restart and rollback is a line in events.jsonl.
+`checkpoints/rejected-step-N`, and each restart and rollback is a line in events.jsonl. Everything
+the run creates is private to the user (`setup.private_files`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from revffn.training.setup import (
     clear_run,
     model_overrides,
     prepare_run,
+    private_files,
     resolve_launch,
     restart_values,
     saved_config_text,
@@ -306,11 +308,13 @@ def _truncate_metrics(path, step: int) -> None:
 
 
 def run(cfg, fault: Fault | None = None) -> dict:
-    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash;
+    """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash,
+    its files private to the user (`setup.private_files`);
     under torchrun, the process group is left at the end (`parallel.init_distributed` joined it), and
     a collective that gave up waiting for the other ranks ends the run with `CollectiveTimeout`."""
     try:
-        return _run(cfg, fault)
+        with private_files():
+            return _run(cfg, fault)
     except RuntimeError as e:
         if data_shard()[1] > 1 and is_timeout(e):
             raise CollectiveTimeout(

@@ -8,6 +8,7 @@ the check are rolled back over (`RunPlan.rejected`; the loop records it in event
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -143,6 +144,17 @@ def restart_values(cfg) -> dict:
     that verifies: `resolve_resume`), else starting over."""
     ckpts = bool(checkpoint_dirs(Path(cfg.output_dir)))
     return {"resume": ckpts, "overwrite": cfg.overwrite or not ckpts}
+
+
+@contextlib.contextmanager
+def private_files():
+    """Files and directories the run creates are the user's alone (0600, 0700) whatever the umask:
+    umask 077 while the run lasts (it is process-wide: the previous one is restored)."""
+    before = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(before)
 
 
 def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
