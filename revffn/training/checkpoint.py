@@ -7,6 +7,7 @@
         rng.pt                CPU and CUDA RNG states
         trainer_state.json    step, data order position, method state (stage, queues), restarts
         config.yaml           the resolved config of the run
+        manifest.json         sha256 of every file above, the math-relevant config, versions (manifest.py)
 
 Under FSDP (`sharded=True`) the model and optimizer are saved by every rank, each its shards, with
 torch.distributed.checkpoint (DCP) in `dcp/` instead of model.safetensors and optimizer.pt. DCP
@@ -14,13 +15,20 @@ reshards on load: such a checkpoint resumes on any number of processes, one incl
 strategy.
 
 A checkpoint is written to `checkpoints/.tmp-step-N` and renamed into place, so `step-N` exists
-only when complete; a `kill -9` mid-write leaves a `.tmp-*` that is ignored and cleaned up.
+only when complete; a `kill -9` mid-write leaves a `.tmp-*` that is ignored and cleaned up. The
+manifest is written last: `newest_verified` resumes the newest checkpoint whose files all match it.
+
+Nothing here unpickles an arbitrary object: model.safetensors is safetensors, optimizer.pt and rng.pt
+load with `weights_only=True`, and DCP's own pickles (its `.metadata`, the optimizer's non-tensor
+entries) load through an allow-list (`_SafeReader`, `_WeightsOnlyPlanner`): torch's DCP reader uses
+plain `pickle.load`, which runs whatever code a file names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -28,6 +36,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -36,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from revffn.errors import UserError, one_line
+from revffn.training.manifest import verify_checkpoint, write_manifest
 from revffn.training.parallel import barrier, is_main_process
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -51,9 +63,16 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1] if dirs else None
+def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint whose files match its manifest, or None; [(each newer one, its problem)]):
+    what every resume of a run starts from, `resume=true` and restarts alike."""
+    rejected = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, rejected
+        rejected.append((path, problem))
+    return None, rejected
 
 
 def rng_state() -> dict:
@@ -70,9 +89,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: dict, config_text: str,
-                    keep: int, fault=None, sharded: bool = False) -> Path:
-    """Write checkpoints/step-{step} atomically, then delete all but the newest `keep`. Called by the
-    one process that holds the whole model, or with `sharded` by every rank (rank 0 does the rest)."""
+                    math_config: dict, keep: int, fault=None, sharded: bool = False) -> Path:
+    """Write checkpoints/step-{step} atomically, its manifest last, then delete all but the newest
+    `keep`. Called by the one process that holds the whole model, or with `sharded` by every rank
+    (rank 0 does the rest). `math_config`: `config.math_config` of the run, kept in the manifest."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     main = is_main_process()
@@ -94,6 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         (tmp / "config.yaml").write_text(config_text)
+        write_manifest(tmp, math_config)  # after every shard: it hashes them
         if final.exists():  # a re-run of the same step after a restart
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -107,6 +128,49 @@ def _dcp_state(model, optimizer) -> dict:
     (sharded or whole: `get_state_dict` reads either)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` and refuses every global but the classes such a file holds."""
+
+    MODULES = {"torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                                         "TensorStorageMetadata", "BytesStorageMetadata",
+                                                         "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+               "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+               "torch.serialization": {"_get_layout"},  # a layout by name
+               "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+               "collections": {"OrderedDict"}}
+
+    def find_class(self, module: str, name: str):
+        if name in self.MODULES.get(module, ()) or (
+                module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which a checkpoint does not hold")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """torch's DCP file reader, its `.metadata` unpickled through `_MetadataUnpickler` (torch 2.13's
+    `read_metadata` with the one call changed)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, its non-tensor entries (the optimizer's hyperparameters) loaded
+    with `weights_only=True` (torch's planner loads them with `weights_only=False`)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -137,18 +201,19 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Restore model, optimizer and RNG from `path`; returns the trainer state."""
+    """Restore model, optimizer and RNG from `path` (verified: `newest_verified`, or
+    `manifest.verify_checkpoint`); returns the trainer state."""
     path = Path(path)
     state = read_trainer_state(path)
     if is_sharded_checkpoint(path):
         loaded = _dcp_state(model, optimizer)
-        saved = dcp.FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+        saved = _SafeReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
         # `get_state_dict` gives every parameter that requires grad an optimizer state to load into;
         # the checkpoint holds those of the parameters trained so far (RevFFN's stage 1: the adapters)
         states = loaded["optimizer"]["state"]
         for name in [n for n in states if not any(k.startswith(f"optimizer.state.{n}.") for k in saved)]:
             del states[name]
-        dcp.load(loaded, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(loaded, storage_reader=_SafeReader(str(path / DCP_DIR)), planner=_WeightsOnlyPlanner())
         set_model_state_dict(model, loaded["model"])
         set_optimizer_state_dict(model, optimizer, loaded["optimizer"], options=StateDictOptions(strict=False))
     else:

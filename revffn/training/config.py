@@ -92,6 +92,19 @@ SCHEMA: dict[str, Key] = {
     "eval_generate_limit": Key(int, 64, "eval examples scored by exact match (0: none)", min=0),
 }
 
+RESUME_MAY_CHANGE = frozenset({
+    "output_dir", "overwrite", "resume", "max_restarts",  # where the run writes, how it restarts
+    "logging_steps", "save_steps", "save_total_limit",  # how often it writes
+    "eval_data", "eval_steps", "eval_max_new_tokens", "eval_generate_limit",  # what it measures
+    "max_steps",  # how long it runs: extending a run re-shapes the rest of a cosine/linear schedule, on purpose
+    "device", "distributed", "distributed_timeout",  # where it runs (the resolved dtype is compared instead)
+})
+"""The keys a resume may change. Every other key, and the method's options, changes the math of the
+steps to come: a resume that changes one is refused (`setup.check_resume_config`). The batch is
+compared by the keys that set it: `global_batch_size` when set (the per-device split and the derived
+accumulation may then change with the number of processes), else per_device_train_batch_size and
+gradient_accumulation_steps; the number of processes itself may change (README, Multi-GPU)."""
+
 
 @dataclass
 class TrainConfig:
@@ -112,6 +125,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return {**self.values, **{k: dict(v) for k, v in self.sections.items()}}
+
+
+def math_config(cfg: TrainConfig, weights_dtype) -> dict:
+    """The keys a resume may not change (`RESUME_MAY_CHANGE`), the method's options as dotted keys and
+    `dtype` as the run resolved it (`auto` is bf16 on CUDA, fp32 on CPU): kept in each checkpoint's
+    manifest and compared on resume."""
+    out = {k: v for k, v in cfg.values.items() if k not in RESUME_MAY_CHANGE}
+    if cfg.global_batch_size is not None:
+        del out["per_device_train_batch_size"], out["gradient_accumulation_steps"]
+    out["dtype"] = str(weights_dtype).removeprefix("torch.")
+    out.update({f"{cfg.method}.{k}": v for k, v in cfg.section(cfg.method).items()})
+    return out
 
 
 def _key_lines(text: str) -> dict[str, int]:

@@ -21,6 +21,11 @@ While the steps run, `watch.RunWatch` rewrites heartbeat.json, ends a stalled pr
 (`stall_timeout_s`) and warns of steadily growing memory. With `max_restarts` > 0 each attempt runs in
 a child process (`watch.run_in_child`), so a stall, a kill or a crash ends only the attempt, and the
 next one resumes from the last checkpoint.
+
+Every resume, restarts included, starts from the newest checkpoint that verifies against its
+manifest (`setup.resolve_resume`); the newer ones that fail are moved aside to
+`checkpoints/rejected-step-N`, and each restart and rollback is a line in events.jsonl. Everything
+the run creates is private to the user (`setup.private_files`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.models.generation import save_generation_config
 from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
+from revffn.training.config import TrainConfig, math_config
 from revffn.training.evaluate import eval_loss
 from revffn.training.parallel import (
     CollectiveTimeout,
@@ -55,7 +61,15 @@ from revffn.training.parallel import (
     max_over_ranks,
 )
 from revffn.training.report import write_run_report
-from revffn.training.setup import clear_run, model_overrides, prepare_run, resolve_launch, saved_config_text
+from revffn.training.setup import (
+    clear_run,
+    model_overrides,
+    prepare_run,
+    private_files,
+    resolve_launch,
+    restart_values,
+    saved_config_text,
+)
 from revffn.training.step import StepResult, build_run, train_step
 from revffn.training.trackers import Trackers
 from revffn.training.watch import RunWatch, append_event, run_in_child
@@ -189,7 +203,8 @@ class Recipe:
         barrier()
         if self.main or self.sharded:
             save_checkpoint(self.plan.run_dir, self.step, run.model, run.optimizer, state, saved_config_text(cfg),
-                            cfg.save_total_limit, self.fault, sharded=self.sharded)
+                            math_config(cfg, self.plan.weights_dtype), cfg.save_total_limit, self.fault,
+                            sharded=self.sharded)
         barrier()
 
     def eval_loss(self) -> float:
@@ -224,8 +239,9 @@ class Recipe:
         self._open.close()
 
 
-def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
+def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str | None = None) -> dict:
     """Run one training job described by a validated config; returns the final summary.
+    `restart_error`: why this is restart number `restarts` (events.jsonl).
 
     Raises:
         UserError: bad input (nothing written). TrainingDiverged: the loss became NaN/Inf.
@@ -236,6 +252,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None) -> dict:
     main = is_main_process()
     if main:
         _open_run_dir(cfg, plan, restarts)
+        _log_resume(cfg, plan, restarts, restart_error)
     summary: dict = {"status": "running", "restarts": restarts}
     recipe = Recipe(cfg, plan, fault)
     try:
@@ -278,6 +295,32 @@ def _open_run_dir(cfg, plan, restarts: int) -> None:
     clean_partial(run_dir)
 
 
+def _log_resume(cfg, plan, restarts: int, restart_error: str | None) -> None:
+    """events.jsonl and stderr: the restart this run is (if it is one), and each checkpoint it rolled
+    back over, which is moved aside to checkpoints/rejected-step-N (so it is neither resumed nor
+    counted by save_total_limit again)."""
+    to = plan.resume_from.name if plan.resume_from is not None else None
+    if restart_error is not None:
+        limit = f"/{cfg.max_restarts}" if cfg.max_restarts else ""
+        from_step = int(to.split("-")[1]) if to else 0
+        _event(plan.run_dir, {"event": "restart", "restart": restarts, "max_restarts": cfg.max_restarts or None,
+                              "error": restart_error, "from_step": from_step},
+               f"restart {restarts}{limit} after {restart_error} (from step {from_step})")
+    for path, reason in plan.rejected:
+        aside = path.with_name(f"rejected-{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        _event(plan.run_dir, {"event": "rollback", "from": path.name, "to": to, "reason": reason,
+                              "moved_to": str(aside.relative_to(plan.run_dir))},
+               f"checkpoint {path.name} fails verification ({reason}); rolled back to {to}, {path.name} moved to "
+               f"{aside.relative_to(plan.run_dir)}")
+
+
+def _event(run_dir: Path, event: dict, message: str) -> None:
+    append_event(run_dir, **event)
+    print(f"revffn train: {message}", file=sys.stderr)
+
+
 def _truncate_metrics(path, step: int) -> None:
     """On resume, drop metrics logged after the checkpoint (they will be produced again)."""
     if not path.exists():
@@ -288,11 +331,13 @@ def _truncate_metrics(path, step: int) -> None:
 
 def run(cfg, fault: Fault | None = None) -> dict:
     """`train` with up to `max_restarts` automatic restarts from the last checkpoint after a crash, a kill
-    or a stall (each attempt then runs in a child process, `watch.run_in_child`);
+    or a stall (each attempt then runs in a child process, `watch.run_in_child`), its files private to the
+    user (`setup.private_files`);
     under torchrun, the process group is left at the end (`parallel.init_distributed` joined it), and
     a collective that gave up waiting for the other ranks ends the run with `CollectiveTimeout`."""
     try:
-        return _run(cfg, fault)
+        with private_files():
+            return _run(cfg, fault)
     except RuntimeError as e:
         if data_shard()[1] > 1 and is_timeout(e):
             raise CollectiveTimeout(
@@ -305,35 +350,18 @@ def run(cfg, fault: Fault | None = None) -> dict:
             torch.distributed.destroy_process_group()
 
 
-def _log_restart(run_dir: Path, restart: int, error: str, max_restarts: int | None = None) -> Path | None:
-    """An event line and a message for a restart; returns the checkpoint it resumes from (None: none)."""
-    from revffn.training.checkpoint import latest_checkpoint
-
-    ckpt = latest_checkpoint(run_dir)
-    from_step = int(ckpt.name.split("-")[1]) if ckpt else 0
-    append_event(run_dir, "restart", restart=restart, max_restarts=max_restarts, error=error, from_step=from_step)
-    print(f"revffn train: restart {restart}{f'/{max_restarts}' if max_restarts else ''} after {error} "
-          f"(from step {from_step})", file=sys.stderr)
-    return ckpt
-
-
 def _run(cfg, fault: Fault | None) -> dict:
-    from revffn.training.config import TrainConfig
-
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts
-    if restarts and os.environ.get("RANK", "0") == "0":  # before the process group: rank 0 alone
-        _log_restart(Path(cfg.output_dir), restarts, "torchrun restarted the job")
+    error = "torchrun restarted the job" if restarts else None
     while True:
         try:
             if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
-                return run_in_child(train, cfg, restarts, fault, restart=restarts)
-            return train(cfg, restarts, fault)
+                return run_in_child(train, cfg, restarts, fault, error, restart=restarts)
+            return train(cfg, restarts, fault, error)
         except (UserError, TrainingDiverged, KeyboardInterrupt):
             raise
         except Exception as e:
             if restarts >= cfg.max_restarts:
                 raise
-            restarts += 1
-            ckpt = _log_restart(Path(cfg.output_dir), restarts, f"{type(e).__name__}: {e}", cfg.max_restarts)
-            values = dict(cfg.values, resume=bool(ckpt), overwrite=not ckpt)
-            cfg = TrainConfig(values, cfg.sections, cfg.source)
+            restarts, error = restarts + 1, f"{type(e).__name__}: {e}"
+            cfg = TrainConfig(dict(cfg.values, **restart_values(cfg)), cfg.sections, cfg.source)

@@ -1,14 +1,18 @@
 """Everything checked before a model is built: output dir, resume target, tokenizer, data.
 
 `prepare_run(cfg)` raises `UserError` for bad input and writes nothing; the loop only starts
-allocating once it returns.
+allocating once it returns. A resume starts from a checkpoint whose files match its manifest and
+whose math-relevant config matches the run's (`config.math_config`); newer checkpoints that fail
+the check are rolled back over (`RunPlan.rejected`; the loop records it in events.jsonl).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +22,9 @@ from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted
 from revffn.models.presets import TINY_PRESETS
-from revffn.training.checkpoint import is_sharded_checkpoint, latest_checkpoint, read_trainer_state
+from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
+from revffn.training.config import math_config
+from revffn.training.manifest import MANIFEST, read_manifest, verify_checkpoint
 from revffn.training.optim import check_optimizer
 from revffn.training.parallel import launched_world, pick_distributed
 from revffn.training.trackers import check_trackers
@@ -38,33 +44,58 @@ class RunPlan:
     train_set: object
     eval_set: object | None
     distributed: str = "none"  # "none" | "ddp" | "fsdp" (`parallel.pick_distributed`)
+    rejected: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
 
 
 def _holds_run(run_dir: Path) -> bool:
     return run_dir.is_dir() and any((run_dir / f).exists() for f in RUN_FILES)
 
 
-def resolve_resume(cfg, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None; refuses a resume that changed model or method."""
+def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the checkpoint to resume from or None, [(newer checkpoint, why it failed verification)]).
+    `resume=true` takes the newest checkpoint that verifies, `resume=PATH` that one if it verifies;
+    either is refused when the config changes a key that changes the math."""
     if cfg.resume is False:
-        return None
+        return None, []
     if cfg.resume is True:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
+        ckpt, rejected = newest_verified(run_dir)
+        if ckpt is None and not rejected:
             raise UserError(f"resume=true but {run_dir}/checkpoints holds no complete checkpoint. Fix: set "
                             "resume=false (with overwrite=true to replace the run), or save_steps > 0 next time.")
+        if ckpt is None:
+            failed = "; ".join(f"{p.name}: {why}" for p, why in rejected)
+            raise UserError(f"resume=true but no checkpoint in {run_dir}/checkpoints verifies ({failed}). Nothing "
+                            "was touched. Fix: restore the checkpoint from a backup, or set resume=false with "
+                            "overwrite=true to start the run over.")
     else:
-        ckpt = Path(cfg.resume)
+        ckpt, rejected = Path(cfg.resume), []
         if not ckpt.is_dir():
             raise UserError(f"resume: checkpoint {cfg.resume!r} not found. Fix: give a checkpoints/step-N "
                             "directory, or resume=true for the latest one in output_dir.")
-    state = read_trainer_state(ckpt)
-    for key in ("model", "method"):
-        if state.get(key) != getattr(cfg, key):
-            raise UserError(f"resume: the checkpoint was trained with {key}={state.get(key)!r}, but the config "
-                            f"says {key}={getattr(cfg, key)!r}. Fix: resume with the same {key}, or start a new "
-                            "run in another output_dir.")
-    return ckpt
+        if not (ckpt / MANIFEST).is_file():
+            read_trainer_state(ckpt)  # a directory that is no checkpoint at all: say so
+        problem = verify_checkpoint(ckpt)
+        if problem:
+            raise UserError(f"resume: checkpoint {cfg.resume!r} fails verification: {problem}. Nothing was touched. "
+                            "Fix: resume=true for the newest checkpoint of the run that verifies, or restore this "
+                            "one from a backup.")
+    check_resume_config(cfg, ckpt, weights_dtype)
+    return ckpt, rejected
+
+
+def check_resume_config(cfg, ckpt: Path, weights_dtype: torch.dtype) -> None:
+    """Refuses a resume whose config differs from the checkpoint's in a key that changes the math
+    (`config.RESUME_MAY_CHANGE` lists those that may change)."""
+    saved = read_manifest(ckpt)["config"]
+    now = json.loads(json.dumps(math_config(cfg, weights_dtype)))  # as the manifest holds it
+    changed = [k for k in saved if k in now and saved[k] != now[k]]
+    if changed:
+        says = ", ".join(f"{k}={now[k]!r}" for k in changed)
+        was = ", ".join(f"{k}={saved[k]!r}" for k in changed)
+        fix = " ".join(f"{k}={v if isinstance(v := saved[k], str) else json.dumps(v)}" for k in changed)
+        raise UserError(f"resume: the config says {says}, but checkpoint {str(ckpt)!r} was trained with {was}, which "
+                        f"changes the math of the run. Fix: resume with the checkpoint's value {fix}, or start a new "
+                        "run in another output_dir.")
 
 
 def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
@@ -110,9 +141,26 @@ def resolve_launch(cfg):
                             "per_device_train_batch_size, or a number of processes that divides it.")
         values["gradient_accumulation_steps"] = cfg.global_batch_size // per_step
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and cfg.resume is False:
-        ckpt = latest_checkpoint(Path(cfg.output_dir))
-        values.update(resume=bool(ckpt), overwrite=cfg.overwrite or not ckpt)
+        values.update(restart_values(cfg))
     return cfg if values == cfg.values else TrainConfig(values, cfg.sections, cfg.source)
+
+
+def restart_values(cfg) -> dict:
+    """The keys a restarted job runs with: `resume=true` where the run has checkpoints (the newest
+    that verifies: `resolve_resume`), else starting over."""
+    ckpts = bool(checkpoint_dirs(Path(cfg.output_dir)))
+    return {"resume": ckpts, "overwrite": cfg.overwrite or not ckpts}
+
+
+@contextlib.contextmanager
+def private_files():
+    """Files and directories the run creates are the user's alone (0600, 0700) whatever the umask:
+    umask 077 while the run lasts (it is process-wide: the previous one is restored)."""
+    before = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(before)
 
 
 def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
@@ -148,14 +196,14 @@ def prepare_run(cfg) -> RunPlan:
     check_model_ref(cfg.model)
     check_converted(cfg)
     run_dir = Path(cfg.output_dir)
-    resume_from = resolve_resume(cfg, run_dir)
+    device, weights, autocast = pick_device(cfg)
+    resume_from, rejected = resolve_resume(cfg, run_dir, weights)
     check_output_dir(cfg, run_dir, resume_from)
     distributed = pick_distributed(cfg)
     if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
         raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
                         "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
     check_trackers(cfg)
-    device, weights, autocast = pick_device(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
@@ -169,7 +217,8 @@ def prepare_run(cfg) -> RunPlan:
     if cfg.eval_data:
         eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,
                                     "eval_data")
-    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed)
+    return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
+                   rejected)
 
 
 def model_overrides(cfg, tokenizer) -> dict:

@@ -1,6 +1,7 @@
 """Bad input: one clear message naming FILE:LINE or the key, exit code 2, nothing written."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import pytest
 import yaml
 
 from revffn import cli
+from revffn.training.config import QUICKSTART
+from tests.training._util import TINY, files_state, flip_byte
 
 
 def _cfg(tmp_path: Path, **over) -> Path:
@@ -148,10 +151,53 @@ def test_refuses_existing_run_and_touches_nothing(tmp_path, capsys):
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
-def test_resume_with_changed_model_or_method(tmp_path, capsys):
-    ck = tmp_path / "run" / "checkpoints" / "step-1"
-    ck.mkdir(parents=True)
-    (ck / "trainer_state.json").write_text(json.dumps({"step": 1, "model": "tiny-qwen2-moe", "method": "full"}))
-    _fails(capsys, ["train", str(_cfg(tmp_path, resume=True))], "method='full'", "method='revffn'")
-    _fails(capsys, ["train", str(_cfg(tmp_path, resume=True, method="full", model="tiny-olmoe"))],
-           "model='tiny-qwen2-moe'")
+def _resume_fails(capsys, trained_run, tmp_path, over, *needles, damage=None):
+    """A resume of a copy of the trained run with `over`: exit 2, every needle in the message, and no file
+    of the run modified (bytes, mtime, mode)."""
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    if damage:
+        damage(run / "checkpoints")
+    before = files_state(run)
+    err = _fails(capsys, ["train", str(QUICKSTART), *TINY, f"output_dir={run}", *over], *needles)
+    assert files_state(run) == before
+    return err
+
+
+@pytest.mark.parametrize("over,says,was,fix", [
+    (["method=full"], "method='full'", "method='revffn'", "method=revffn"),
+    (["model=tiny-olmoe"], "model='tiny-olmoe'", "model='tiny-qwen2-moe'", "model=tiny-qwen2-moe"),
+    (["dtype=bfloat16"], "dtype='bfloat16'", "dtype='float32'", "dtype=float32"),
+    (["revffn.freeze_router=false"], "revffn.freeze_router=False", "revffn.freeze_router=True",
+     "revffn.freeze_router=true"),
+    (["learning_rate=0.5", "seed=7"], "seed=7, learning_rate=0.5", "seed=0, learning_rate=0.001",
+     "seed=0 learning_rate=0.001"),
+], ids=["method", "model", "dtype", "method-option", "two-keys"])
+def test_resume_refuses_a_change_of_the_math(capsys, trained_run, tmp_path, over, says, was, fix):
+    _resume_fails(capsys, trained_run, tmp_path, ["resume=true", *over], f"the config says {says}, but checkpoint",
+                  f"was trained with {was}, which changes the math", f"Fix: resume with the checkpoint's value {fix}, ")
+
+
+def test_resume_path_of_another_models_checkpoint(capsys, trained_run, tmp_path):
+    ckpt = trained_run / "checkpoints" / "step-1"
+    _resume_fails(capsys, trained_run, tmp_path, [f"resume={ckpt}", "model=tiny-mixtral"], "model='tiny-mixtral'",
+                  "Fix: resume with the checkpoint's value model=tiny-qwen2-moe")
+
+
+def test_resume_path_that_is_not_a_checkpoint(capsys, trained_run, tmp_path):
+    _resume_fails(capsys, trained_run, tmp_path, [f"resume={trained_run / 'final'}"], "is not a checkpoint",
+                  "Fix: point resume at a checkpoints/step-N")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda c: flip_byte(c / "model.safetensors"), "model.safetensors: sha256 mismatch"),
+    (lambda c: (c / "manifest.json").unlink(), "manifest.json missing"),  # e.g. written before manifests
+], ids=["weights", "no-manifest"])
+def test_resume_path_of_a_damaged_checkpoint(capsys, trained_run, tmp_path, damage, needle):
+    ckpt = tmp_path / "run" / "checkpoints" / "step-1"
+    _resume_fails(capsys, trained_run, tmp_path, [f"resume={ckpt}"], f"fails verification: {needle}",
+                  "Fix: resume=true", damage=lambda c: damage(c / "step-1"))
+
+
+def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
+    _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "no checkpoint in", "verifies (step-1: optimizer.pt: "
+                  "sha256 mismatch", "Fix: restore", damage=lambda c: flip_byte(c / "step-1" / "optimizer.pt", 100))

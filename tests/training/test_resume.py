@@ -1,4 +1,5 @@
-"""Exact resume after kill -9 (mid-step and mid-checkpoint), auto-restart, NaN stop."""
+"""Exact resume after kill -9 (mid-step and mid-checkpoint), rollback over a damaged checkpoint,
+auto-restart, NaN stop."""
 
 import json
 import os
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.training._util import flip_byte
 
 pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
 
@@ -66,6 +69,32 @@ def test_kill_and_resume_reproduces_losses(tmp_path, reference, fault, expect_ck
         assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_damaged_latest_checkpoint_rolls_back(tmp_path):
+    """One flipped byte in step-6's weights: resume=true rolls back to step-3 (events.jsonl and a warning
+    say so, step-6 is moved aside), finishes, and steps 4-7 reproduce the losses the killed run logged
+    uninterrupted. (Coordinate adapters: no calibration, the cheapest two runs.)"""
+    cfg = _write(tmp_path, "run", revffn={"adapter_warmup_steps": 4, "adapter_init": "coordinate"})
+    first = _train(cfg, fault="kill@step:8")
+    assert first.returncode == -9, first.stderr[-2000:]
+    run = tmp_path / "run"
+    uninterrupted = _losses(run)
+    assert sorted(uninterrupted) == list(range(1, 8))
+    flip_byte(run / "checkpoints" / "step-6" / "model.safetensors")  # tensor data: it would still load
+    second = _train(cfg, "resume=true")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "checkpoint step-6 fails verification (model.safetensors: sha256 mismatch" in second.stderr
+    assert "rolled back to step-3" in second.stderr
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["from"], e["to"]) for e in events] == [("rollback", "step-6", "step-3")]
+    assert events[0]["reason"].startswith("model.safetensors: sha256 mismatch")
+    assert (run / "checkpoints" / "rejected-step-6" / "model.safetensors").exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-6", "step-9"]
+    resumed = _losses(run)
+    assert sorted(resumed) == list(range(1, 11))
+    for step, loss in uninterrupted.items():
+        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
 
 
 def test_auto_restart_after_crash(tmp_path, reference):
