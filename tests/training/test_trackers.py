@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,9 @@ import yaml
 
 from revffn.training import loop
 from revffn.training.config import load_config
-from revffn.training.watch import RESTART_ENV
 
+REPO = Path(__file__).resolve().parents[2]
+FAULT_RUN = Path(__file__).with_name("fault_run.py")
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:quickstart_train",
         "eval_steps=2", "eval_generate_limit=0", "max_steps=4", "logging_steps=1", "save_steps=0",
         "per_device_train_batch_size=2", "max_seq_length=32", "dtype=float32", "device=cpu",
@@ -87,11 +90,14 @@ def _assert_tensorboard_is_metrics(run_dir: Path, resumed_at: int | None = None)
 def test_tensorboard_holds_every_metrics_line_across_a_restart(tmp_path):
     """A crash at step 4 restarts from checkpoint step-2 (`max_restarts`): step 3 is logged twice, and
     the second run's `purge_step` drops the first one's, as metrics.jsonl drops its line."""
-    def fault(point: str, step: int) -> None:  # the first attempt only (each runs in a child process)
-        if (point, step) == ("step", 4) and os.environ.get(RESTART_ENV, "0") == "0":
-            raise RuntimeError("injected fault at step 4")
-
-    loop.run(_config(tmp_path, "report_to=tensorboard", "save_steps=2", "max_restarts=1"), fault=fault)
+    # in a fresh interpreter: `max_restarts` runs each attempt in a forked child, and forking this test
+    # process, with the threads earlier tests left behind (trackers' writers), can deadlock the child
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(_config(tmp_path, "report_to=tensorboard", "save_steps=2",
+                                             "max_restarts=1").to_dict()))
+    r = subprocess.run([sys.executable, str(FAULT_RUN), "raise@step:4", str(config)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "run"
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one writer per run
     rows = _assert_tensorboard_is_metrics(run_dir, resumed_at=3)
