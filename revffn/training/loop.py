@@ -356,7 +356,8 @@ def _run(cfg, fault: Fault | None) -> dict:
     while True:
         try:
             if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
-                return run_in_child(train, cfg, restarts, fault, error, restart=restarts)
+                return run_in_child(train, cfg, restarts, fault, error, restart=restarts,
+                                    errors=(UserError, TrainingDiverged, CollectiveTimeout))
             return train(cfg, restarts, fault, error)
         except (UserError, TrainingDiverged, KeyboardInterrupt):
             raise

@@ -24,11 +24,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -185,16 +183,19 @@ class RunWatch:
                   "kept to tensors (hooks, lists of outputs); events.jsonl has the figures.", file=sys.stderr)
 
 
-def run_in_child(fn, *args, restart: int = 0):
+def run_in_child(fn, *args, restart: int = 0, errors: tuple[type[BaseException], ...] = ()):
     """`fn(*args)` in a forked child process: its result, or its exception raised here.
 
     The child's number in the run (`restart`) is set in its environment as `REVFFN_RESTART_COUNT`,
     and it dies with this process (Linux: PR_SET_PDEATHSIG). The supervisor itself touches no
-    device: each attempt initialises CUDA in its own process.
+    device: each attempt initialises CUDA in its own process. The outcome comes back as JSON, not
+    pickle (no load here runs code): the result a JSON value, an exception its type name, message
+    and traceback.
 
     Raises:
-        The exception `fn` raised (its traceback in the child attached as a note). Stalled: the
-        child's watchdog ended it. RuntimeError: it died otherwise (killed, out of memory, crashed).
+        The exception `fn` raised, as the class of that name in `errors` (else a RuntimeError naming
+        the type), its traceback in the child attached as a note. Stalled: the child's watchdog ended
+        it. RuntimeError: it died otherwise (killed, out of memory, crashed).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -207,7 +208,7 @@ def run_in_child(fn, *args, restart: int = 0):
         try:
             os.environ[RESTART_ENV] = str(restart)
             _die_with(parent)
-            with os.fdopen(write, "wb") as out:
+            with os.fdopen(write, "w") as out:
                 out.write(_outcome(fn, args))
             code = 0
         finally:
@@ -215,15 +216,18 @@ def run_in_child(fn, *args, restart: int = 0):
             sys.stderr.flush()
             os._exit(code)  # skips the atexit handlers and finalizers inherited from the parent
     os.close(write)
-    with os.fdopen(read, "rb") as f:
+    with os.fdopen(read, "r") as f:
         payload = f.read()
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if payload:
-        kind, value, *tb = pickle.loads(payload)
-        if kind == "ok":
-            return value
-        value.add_note(f"in the training process {pid}:\n{tb[0]}")
-        raise value
+        outcome = json.loads(payload)
+        if outcome["kind"] == "ok":
+            return outcome["value"]
+        known = {cls.__name__: cls for cls in errors}
+        cls = known.get(outcome["type"])
+        error = cls(outcome["message"]) if cls else RuntimeError(f"{outcome['type']}: {outcome['message']}")
+        error.add_note(f"in the training process {pid}:\n{outcome['traceback']}")
+        raise error
     if code == STALL_EXIT:
         raise Stalled(f"the training process {pid} made no step in stall_timeout_s and was ended with exit code "
                       f"{STALL_EXIT} (every thread's stack is in events.jsonl)")
@@ -231,18 +235,14 @@ def run_in_child(fn, *args, restart: int = 0):
     raise RuntimeError(f"the training process {pid} {how} (out of memory? killed?)")
 
 
-def _outcome(fn, args) -> bytes:
-    """The pickled ("ok", result) or ("error", exception, traceback); an exception that does not survive
-    pickling travels as a RuntimeError carrying its type and message."""
+def _outcome(fn, args) -> str:
+    """JSON of {"kind": "ok", "value"} or {"kind": "error", "type", "message", "traceback"}; a value JSON
+    cannot hold is sent as its string."""
     try:
-        return pickle.dumps(("ok", fn(*args)))
+        return json.dumps({"kind": "ok", "value": fn(*args)}, default=str)
     except BaseException as e:
-        tb = traceback.format_exc()
-        with contextlib.suppress(Exception):
-            payload = pickle.dumps(("error", e, tb))
-            pickle.loads(payload)
-            return payload
-        return pickle.dumps(("error", RuntimeError(f"{type(e).__name__}: {e}"), tb))
+        return json.dumps({"kind": "error", "type": type(e).__name__, "message": str(e),
+                           "traceback": traceback.format_exc()})
 
 
 def _die_with(parent: int) -> None:

@@ -88,8 +88,10 @@ def _bad_input():
 def test_run_in_child_returns_its_result_and_raises_its_error():
     assert run_in_child(lambda a, b: {"sum": a + b}, 2, 3) == {"sum": 5}
     with pytest.raises(UserError, match="bad key") as caught:
-        run_in_child(_bad_input)
+        run_in_child(_bad_input, errors=(UserError,))
     assert "in the training process" in "".join(getattr(caught.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="UserError: bad key"):  # a type not named in `errors`
+        run_in_child(_bad_input)
     assert run_in_child(lambda: os.environ["REVFFN_RESTART_COUNT"], restart=2) == "2"
 
 
