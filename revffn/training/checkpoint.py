@@ -207,11 +207,13 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     state = read_trainer_state(path)
     if is_sharded_checkpoint(path):
         loaded = _dcp_state(model, optimizer)
-        saved = _SafeReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+        prefix = "optimizer.state."  # DCP's flat keys: optimizer.state.{parameter name}.{state name}
+        saved = {k[len(prefix):].rsplit(".", 1)[0]
+                 for k in _SafeReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata if k.startswith(prefix)}
         # `get_state_dict` gives every parameter that requires grad an optimizer state to load into;
         # the checkpoint holds those of the parameters trained so far (RevFFN's stage 1: the adapters)
         states = loaded["optimizer"]["state"]
-        for name in [n for n in states if not any(k.startswith(f"optimizer.state.{n}.") for k in saved)]:
+        for name in [n for n in states if n not in saved]:
             del states[name]
         dcp.load(loaded, storage_reader=_SafeReader(str(path / DCP_DIR)), planner=_WeightsOnlyPlanner())
         set_model_state_dict(model, loaded["model"])
