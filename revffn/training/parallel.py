@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
+from revffn.memory.estimate import FSDP_OPTIMIZERS
 from revffn.methods import method_class
 
 STRATEGIES = ("ddp", "fsdp")
@@ -89,7 +90,7 @@ def check_strategy(cfg, mode: str) -> None:
         raise UserError(f"optimizer_offload: {cfg.optimizer_offload} moves each gradient to the host as soon as it "
                         f"is computed, before {mode} averages it over the ranks. Fix: optimizer_offload=none "
                         "(sharding with distributed=fsdp saves more), or train in one process.")
-    if mode == "fsdp" and (cfg.optimizer not in ("adamw", "adafactor") or cfg.bf16_stochastic_round):
+    if mode == "fsdp" and (cfg.optimizer not in FSDP_OPTIMIZERS or cfg.bf16_stochastic_round):
         raise UserError(f"distributed: fsdp shards the optimizer state of optimizer=adamw or adafactor only (got "
                         f"optimizer={cfg.optimizer}, bf16_stochastic_round={cfg.bf16_stochastic_round}). Fix: "
                         "optimizer=adamw (or adafactor) without stochastic rounding, or distributed=ddp.")
