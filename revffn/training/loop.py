@@ -110,6 +110,7 @@ class Recipe:
         self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
                              model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
+        self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
         self.order = DataOrder(len(plan.train_set.items), cfg.seed)
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
@@ -176,7 +177,7 @@ class Recipe:
                "grad_norm": float(result.grad_norm), "tokens_per_s": w.seen_tokens / dt,
                "peak_mem_bytes": max_over_ranks(peak_memory_bytes(run.device), run.device)}
         if self.plan.eval_set is not None and self.cfg.eval_steps and step % self.cfg.eval_steps == 0 \
-                and (self.main or self.sharded):
+                and self.evaluates:
             rec["eval_loss"] = self.eval_loss()
         if result.aux_loss is not None:
             rec["aux_loss"] = float(result.aux_loss)
@@ -260,7 +261,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
         summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(plan.device))
         recipe.train()
         recipe.cleanup()
-        if plan.eval_set is not None and (main or recipe.sharded):
+        if plan.eval_set is not None and recipe.evaluates:
             summary["eval_loss"] = recipe.eval_loss()
         final = recipe.export()
         summary.update(status="ok", steps=recipe.step, final_dir=str(final), stage=recipe.stage)
