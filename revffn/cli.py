@@ -188,7 +188,8 @@ def cmd_convert(args) -> int:
 
     spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
-                       args.eval_data, args.stream_dtype, args.seed, args.overwrite)
+                       adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
+                       stream_dtype=args.stream_dtype, seed=args.seed, overwrite=args.overwrite)
     manifest = run_convert(spec)
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
@@ -383,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
     k.add_argument("--heal-hidden-coef", type=float, default=0.0, help="add this x the per-layer hidden-state MSE to "
                    "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")
+    k.add_argument("--no-adapter-skip", action="store_true", help="the paper's four adapters only: no d/2 x d/2 "
+                   "skip per branch (revffn.adapter_skip: false)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")

@@ -1,13 +1,14 @@
 """The conversion-gap table of docs/conversion.md: what converting `builtin:base` to RevFFN costs on its
 held-out pretraining text (`builtin:retention_test`), per adapter init, calibration text and heal text.
 
-    python scripts/conversion_gap.py --out runs/conversion_gap --docs docs/conversion.md     # ~1 h on 2 CPU cores
+    python scripts/conversion_gap.py --out runs/conversion_gap --docs docs/conversion.md --jobs 2   # ~30 min, 2 cores
     python scripts/conversion_gap.py --out runs/gap-quick --quick                            # smoke: ~2 min
 
 Every calibrated row is one `revffn convert` run in a fresh process (its revffn.json gives the losses, the
 wall times and the process's peak RSS). Text sources: `self` (sampled from the base: no data), general
 text (documents of the base's own pretraining corpus, `scripts/corpus.py`, none of them held out),
 task text (`builtin:commas_train`), and a mix (the general text plus every `commas_train` example).
+Rows marked "no skip" are the paper's four adapters (`--no-adapter-skip`); the others have the skips.
 Results go to OUT/conversion.json (and beside the page with --docs: docs/conversion.json); the table is
 rendered from them. A rerun with the same --out reuses the rows whose model directory is complete.
 """
@@ -20,6 +21,7 @@ import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,24 +63,27 @@ def plain_rows() -> list[dict]:
 
 
 def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, heal: str | None, steps: int,
-                threads: int) -> dict:
+                threads: int, skip: bool = True) -> dict:
     """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json."""
     target = out / "models" / "".join(c if c.isalnum() else "_" for c in name)
     cmd = [sys.executable, "-m", "revffn", "convert", "builtin:base", "--out", str(target), "--overwrite",
            "--calibration-data", src[calibration], "--calibration-tokens", str(tokens)]
     if heal:
         cmd += ["--heal-steps", str(steps), "--heal-data", src[heal]]
+    if not skip:
+        cmd += ["--no-adapter-skip"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     done = target / "revffn.json"
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
-            "heal_data": src[heal] if heal else "self"}
-    if not (done.is_file() and all(json.loads(done.read_text())["convert"][k] == v for k, v in want.items())):
+            "heal_data": src[heal] if heal else "self", "adapter_skip": skip}
+    if not (done.is_file() and all(json.loads(done.read_text())["convert"].get(k) == v for k, v in want.items())):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
         if proc.returncode != 0:
             return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
     m = json.loads(done.read_text())
     gap, cal, hl = m["conversion_gap"], m["calibration"], m["heal"]
-    return {"name": name, "status": "ok", "calibration_data": calibration, "calibration_tokens": cal["tokens"],
+    return {"name": name, "status": "ok", "adapter_skip": skip, "calibration_data": calibration,
+            "calibration_tokens": cal["tokens"],
             "heal_data": heal, "heal_steps": steps if heal else 0,
             "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
             "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
@@ -113,6 +118,7 @@ def main() -> None:
     parser.add_argument("--heal-steps", type=int, default=400, help="heal steps per heal row (default %(default)s)")
     parser.add_argument("--long-steps", type=int, default=800, help="steps of the longer `self` heal row")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on 2 cores)")
+    parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
     args = parser.parse_args()
     out = Path(args.out)
@@ -122,16 +128,23 @@ def main() -> None:
     if args.quick:
         tokens, task_tokens, steps, long = 1024, 1024, 4, 8
     rows = plain_rows()
-    plan = [("calibrated", "self", tokens, None, 0), ("calibrated", "general", tokens, None, 0),
-            ("calibrated", "task", task_tokens, None, 0)]
-    plan += [("calibrated + heal", "self", tokens, h, steps) for h in ("self", "general", "task", "mix")]
-    plan += [("calibrated + heal", "self", tokens, "self", long), ("calibrated + heal", "general", tokens, "general",
-                                                                      long)]
-    for kind, cal, n, heal, n_steps in plan:
-        name = f"{kind} ({cal}" + (f"; heal {heal} x{n_steps})" if heal else ")")
+    plan = [("calibrated", "self", tokens, None, 0, False), ("calibrated + heal", "self", tokens, "self", long, False)]
+    plan += [("calibrated", "self", tokens, None, 0, True), ("calibrated", "general", tokens, None, 0, True),
+             ("calibrated", "task", task_tokens, None, 0, True)]
+    plan += [("calibrated + heal", "self", tokens, h, steps, True) for h in ("self", "general", "task", "mix")]
+    plan += [("calibrated + heal", "self", tokens, "self", long, True),
+             ("calibrated + heal", "general", tokens, "general", long, True)]
+
+    def run(item):
+        kind, cal, n, heal, n_steps, skip = item
+        name = f"{kind} ({cal}" + (f"; heal {heal} x{n_steps}" if heal else "") + ("" if skip else "; no skip") + ")"
         print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.append(convert_row(name, out, src, cal, n, heal, n_steps, args.threads))
-        print(f"  -> {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        row = convert_row(name, out, src, cal, n, heal, n_steps, args.threads, skip)
+        print(f"  -> {json.dumps(row)}", file=sys.stderr, flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:  # each row is its own process
+        rows += list(pool.map(run, plan))
     data = {"rows": rows, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
             "threads": args.threads, "sources": {k: v.replace(str(out), "OUT") for k, v in src.items()}}
     (out / "conversion.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -161,9 +161,11 @@ def _norm_params(m: Dims) -> int:
 
 
 def layer_params(m: Dims, i: int) -> dict[str, int]:
-    """Layer i's parameter counts by part (``adapters_revffn``: the 4 d/2 x d adapters RevFFN adds)."""
+    """Layer i's parameter counts by part (``adapters_revffn``: the 4 d/2 x d adapters RevFFN adds;
+    ``adapters_revffn_skip``: its 2 d/2 x d/2 skips, `revffn.adapter_skip`)."""
     parts = {"attention": _attn_params(m), "norms": _norm_params(m), "router": 0, "experts": 0,
-             "shared_expert": 0, "dense_mlp": 0, "adapters_revffn": 2 * m.d * m.d}  # 4 x (d/2 x d)
+             "shared_expert": 0, "dense_mlp": 0, "adapters_revffn": 2 * m.d * m.d,  # 4 x (d/2 x d)
+             "adapters_revffn_skip": m.d * m.d // 2}  # 2 x (d/2 x d/2)
     if m.moe[i]:
         parts["router"] = m.experts * m.d
         parts["experts"] = m.experts * 3 * m.d * m.moe_inter
@@ -175,21 +177,22 @@ def layer_params(m: Dims, i: int) -> dict[str, int]:
 
 def count_params(config) -> dict[str, int]:
     """Parameter counts by part, from the config. ``total`` is the base model (without
-    ``adapters_revffn``, the 4 d/2 x d adapters per layer that RevFFN adds)."""
+    ``adapters_revffn`` and ``adapters_revffn_skip``, what RevFFN adds per layer)."""
     m = dims(config)
     out = {"embed": m.vocab * m.d, "head": 0 if m.tied else m.vocab * m.d}
     for i in range(m.layers):
         for k, v in layer_params(m, i).items():
             out[k] = out.get(k, 0) + v
     out["norms"] += m.d  # final norm
-    out["total"] = sum(v for k, v in out.items() if k != "adapters_revffn")
+    out["total"] = sum(v for k, v in out.items() if not k.startswith("adapters_revffn"))
     return out
 
 
 def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
     """Base-model parameters of the units that train or shard together: the embedding, each decoder
     layer, the final norm + head (the head's weight is the embedding's when tied)."""
-    layers = [sum(v for k, v in layer_params(m, i).items() if k != "adapters_revffn") for i in range(m.layers)]
+    layers = [sum(v for k, v in layer_params(m, i).items() if not k.startswith("adapters_revffn"))
+              for i in range(m.layers)]
     return [counts["embed"], *layers, counts["head"] + m.d]
 
 
@@ -450,7 +453,8 @@ def _adafactor_bytes(m: Dims) -> int:
     for moe in m.moe:
         mlp = (m.experts * ((2 * m.moe_inter + m.d) + (m.d + m.moe_inter)) + (m.experts + m.d)
                + 3 * (m.d + m.shared_inter)) if moe else 3 * (m.d + m.dense_inter)
-        per_layer.append(attn + mlp + 2 * m.d + 2 * m.d * 2)  # + norms, + RevFFN's 4 adapters (rows + cols)
+        per_layer.append(attn + mlp + 2 * m.d + 2 * m.d * 2 + 2 * m.d)  # + norms, + RevFFN's 4 adapters and 2
+        # skips (rows + cols)
     return 4 * (sum(per_layer) + 2 * (m.vocab + m.d) + m.d)
 
 

@@ -1,6 +1,7 @@
 """`revffn`: full fine-tuning through reversible blocks, in two stages.
 
-Stage 1 (`adapter_warmup_steps`), the heal: only the projection adapters P_up/P_down train, the
+Stage 1 (`adapter_warmup_steps`), the heal: only the projection adapters P_up/P_down (and the skips
+P_skip, `adapter_skip`: see `models.convert.HFRevBlock`) train, the
 pretrained backbone is frozen, and the loss is KL(unconverted model ‖ converted model) on general
 text (`heal_data`, default `self`: text sampled from the base; no data needed). The teacher is the
 same frozen weights in their original wiring (`models.teacher`), so nothing is copied.
@@ -48,6 +49,8 @@ class RevFFNMethod(Method):
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
+        "adapter_skip": Key(bool, True, "add a d/2 x d/2 linear skip to each branch (F(X_2) += P_skip X_2, G alike): "
+                            "the residual path the split cuts; false: the paper's four adapters only"),
         "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
                                 "builtin:NAME; general text, never the task data alone"),
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
@@ -63,6 +66,7 @@ class RevFFNMethod(Method):
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
         "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
+        "adapter_skip": Key(bool, True, "the 2 d/2 x d/2 skip adapters per layer"),
         "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
         "recompute_chunk_tokens": Key(int, 0, "backward: the MoE branch recomputed by chunks of N tokens (0: whole)",
                                       min=0),
@@ -74,8 +78,10 @@ class RevFFNMethod(Method):
     heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True}  # the defaults: calibrated, heal on self
-    STUDY_GAP_VARIANTS = {  # the old default (coordinate init, task warm-up) and the stage-2 guard
-        "old-default": {"adapter_init": "coordinate", "heal_data": TASK},
+    STUDY_GAP_VARIANTS = {  # the paper's four adapters, the old default (coordinate init, task warm-up, no
+        # skips) and the stage-2 guard
+        "no-skip": {"adapter_skip": False},
+        "old-default": {"adapter_init": "coordinate", "heal_data": TASK, "adapter_skip": False},
         "distill-1": {"distill_coef": 1.0},
     }
 
@@ -117,7 +123,7 @@ class RevFFNMethod(Method):
             hf_model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
-                        aux_loss_coef=self.cfg.router_aux_loss_coef)
+                        aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         if self.opts["adapter_init"] == "calibrated":
             from revffn.methods.conversion import calibrate_for_run
@@ -151,8 +157,7 @@ class RevFFNMethod(Method):
         """What F and G call, one by one: the adapters and the decoder layer's own modules (attention,
         MoE, norms). Not the decoder layer itself: the reversible blocks never call it whole (only the
         heal's teacher does, and its children's hooks gather them there too)."""
-        return [m for block in model.blocks for m in (block.p_up_attn, block.p_down_attn, block.p_up_moe,
-                                                       block.p_down_moe, *block.base_layer.children())]
+        return [m for block in model.blocks for m in (*block.adapters(), *block.base_layer.children())]
 
     def optimizer_parameters(self, model) -> list[nn.Parameter]:
         return non_router_parameters(model, self.opts["freeze_router"])
@@ -225,11 +230,13 @@ class RevFFNMethod(Method):
     @classmethod
     def estimate_options(cls, section: dict) -> dict:
         return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"],
-                "distill_coef": section["distill_coef"], "recompute_chunk_tokens": section["recompute_chunk_tokens"]}
+                "adapter_skip": section["adapter_skip"], "distill_coef": section["distill_coef"],
+                "recompute_chunk_tokens": section["recompute_chunk_tokens"]}
 
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
-                     distill_coef: float = 0.0, recompute_chunk_tokens: int = 0) -> MemoryTerms:
+                     adapter_skip: bool = True, distill_coef: float = 0.0,
+                     recompute_chunk_tokens: int = 0) -> MemoryTerms:
         """Forward: two d/2 streams and the routing records (`compact_index_dtype` per token and
         choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
         working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router).
@@ -243,7 +250,7 @@ class RevFFNMethod(Method):
         stream = dtype_bytes(stream_dtype, "stream_dtype")
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
-        adapters = counts["adapters_revffn"]
+        adapters = counts["adapters_revffn"] + (counts["adapters_revffn_skip"] if adapter_skip else 0)
         trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
         extra = N * (m.d // 2) * s + N * m.d * s  # per branch: P_up's input (a d/2 half), P_down's (d-wide)
@@ -252,7 +259,8 @@ class RevFFNMethod(Method):
                       for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
             "router frozen" if freeze_router else "router trainable")
-        accumulators = 8 * (m.d * m.d + m.d * (m.d // 2) + 1)  # fp64 XᵀX, XᵀY, ‖Y‖² of P_down, the largest fit
+        fit_in = m.d + (m.d // 2 if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
+        accumulators = 8 * (fit_in * fit_in + fit_in * (m.d // 2) + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
         notes = (f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"

@@ -13,6 +13,11 @@ fitted adapter by adapter (first half [:h], second half [h:], h = d/2):
     P_up_moe:    Y_1                         -> a_l
     P_down_moe:  MoE output (of G)           -> h_{l+1}[h:] - X_2       (so Y_2 tracks h_{l+1}[h:])
 
+With the skip adapters (`revffn.adapter_skip`, the default) P_down_attn and P_skip_attn are one fit on
+[attention output, X_2], and P_down_moe and P_skip_moe one on [MoE output, Y_1]: the skip lets Y_1 pick
+up what the previous MoE wrote into the other half (and Y_2 what the attention wrote), which the
+attention and MoE outputs alone cannot predict.
+
 Each fit streams over the calibration batches and accumulates XᵀX and XᵀY (and the targets' squared
 norm, for the residual) in fp64: O(d²) per adapter, whatever the number of tokens. Between passes
 each batch's layer inputs (h_l, X_1, X_2) are kept on the host for the current layer only (2·d values
@@ -24,7 +29,7 @@ with lambda = `ridge` × mean(diag XᵀX).
 `mode="sequential"` (default) makes one pass per adapter: each adapter sees the inputs its block
 really produces with the adapters fitted before it. `mode="one_pass"` makes one pass per layer and
 feeds P_down_attn, P_up_moe and P_down_moe the teacher's quantities (A_l, a_l[:h], M_l) instead;
-on `builtin:base` it scores 3.02 on `builtin:retention_test` against 2.84 (docs/conversion.md).
+on `builtin:base` (without skips) it scores 3.02 on `builtin:retention_test` against 2.84 (docs/conversion.md).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import torch
 
 from revffn.models.teacher import teacher_context, teacher_layer
 
-ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
+ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")  # one fit each (P_down_*: with its skip)
+SKIP_OF = {"p_down_attn": "p_skip_attn", "p_down_moe": "p_skip_moe"}
 MODES = ("sequential", "one_pass")
 Batches = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor | None]]]  # a fresh iterator per pass
 
@@ -151,6 +157,12 @@ class _LayerInputs:
         return sum(t.numel() * t.element_size() for state in self.kept or () for t in state)
 
 
+def _fitted(block, name: str) -> list[torch.nn.Linear]:
+    """The Linears one fit sets: the adapter, and its skip when it is a P_down and the block has one."""
+    skip = getattr(block, SKIP_OF.get(name, ""), None)
+    return [getattr(block, name)] + ([skip] if skip is not None else [])
+
+
 def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass: bool) -> None:
     """One pass over the calibration set: accumulate `fits` (adapter name -> RidgeFit) of the current layer."""
     block = model.blocks[inputs.layer]
@@ -166,6 +178,11 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
             with _capture_inputs({n: getattr(block, n) for n in ("p_down_attn", "p_down_moe")}) as s:
                 Y_1, _ = block(X_1, X_2, sctx)
             inputs_of = {"p_down_attn": s["p_down_attn"], "p_up_moe": Y_1, "p_down_moe": s["p_down_moe"]}
+        if block.p_skip_attn is not None:  # the skip's input beside the branch output: one joint fit
+            inputs_of["p_down_attn"] = torch.cat([inputs_of["p_down_attn"].double(), X_2.double()], dim=-1)
+        if block.p_skip_moe is not None:
+            inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), inputs_of["p_up_moe"].double()],
+                                                dim=-1)
         targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a[..., :half] - X_1),
                    "p_up_moe": (inputs_of["p_up_moe"], a),
                    "p_down_moe": (inputs_of["p_down_moe"], h_next[..., half:] - X_2)}
@@ -201,15 +218,16 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     inputs = _LayerInputs(model, batches, keep_states)
     for l, block in enumerate(model.blocks):
         for group in groups:
-            fits = {n: RidgeFit(getattr(block, n).in_features, getattr(block, n).out_features,
+            fits = {n: RidgeFit(sum(m.in_features for m in _fitted(block, n)), getattr(block, n).out_features,
                                 getattr(block, n).weight.device) for n in group}
             _layer_pass(model, inputs, fits, mode == "one_pass")
             passes += 1
             acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
             for name, fit in fits.items():
                 weight, rel = fit.solve(ridge)
-                layer = getattr(block, name)
-                layer.weight.copy_(weight.to(layer.weight.dtype))
+                for layer, w in zip(_fitted(block, name), weight.split([m.in_features for m in _fitted(block, name)],
+                                                                        dim=1)):
+                    layer.weight.copy_(w.to(layer.weight.dtype))
                 residuals[f"layers.{l}.{name}"] = rel
                 rows = fit.rows
                 if log is not None:

@@ -45,12 +45,13 @@ from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
-ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")
+ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe", "p_skip_attn", "p_skip_moe")
 LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 
 
 def init_adapters(block: HFRevBlock, how: str) -> None:
-    """Initialise the four projection adapters of a block.
+    """Initialise the projection adapters of a block (the skips, if the block has them, start at 0 for
+    every init, so F and G are the four-adapter ones until calibration or training moves them).
 
     - ``coordinate`` (default): keep each stream in the pretrained model's coordinates. X_2 holds
       features d/2..d of the embedding, so P_up_attn writes X_2 back into those coordinates of the
@@ -72,7 +73,7 @@ def init_adapters(block: HFRevBlock, how: str) -> None:
     """
     d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
     with torch.no_grad():
-        for p in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
+        for p in block.adapters():
             p.weight.zero_()
         if how in ("coordinate", "zero", "calibrated"):
             eye = torch.eye(h, dtype=block.p_up_attn.weight.dtype, device=block.p_up_attn.weight.device)
@@ -96,8 +97,15 @@ class HFRevBlock(RevBlock):
     """An HF decoder layer as a reversible block: F = attention (token-mixer) branch, G = MoE (or MLP)
     branch, each between its projection adapters (`layout.attn_branch` / `layout.mlp_branch` at width d):
 
-        F(X_2) = P_down_attn( attn_branch( P_up_attn(X_2) ) )
-        G(Y_1) = P_down_moe( mlp_branch( P_up_moe(Y_1) ) )
+        F(X_2) = P_down_attn( attn_branch( P_up_attn(X_2) ) )  [+ P_skip_attn(X_2)]
+        G(Y_1) = P_down_moe( mlp_branch( P_up_moe(Y_1) ) )     [+ P_skip_moe(Y_1)]
+
+    The skips (`skip=True`, `revffn.adapter_skip`) are d/2 x d/2 linear maps, one per branch. F still
+    depends on X_2 alone and G on Y_1 alone, so the block stays exactly invertible. They give back the
+    residual path the split cuts: without them X_1 only ever receives attention outputs and X_2 only
+    MoE outputs, so neither half can carry the other branch's update to the next layer (calibrated on
+    `builtin:base`, the relative residual of P_down_attn is 0.62-0.78 without them, 0.06-0.37 with
+    them; docs/conversion.md).
 
     A layer whose token mixer is one of `spec.mixers` (linear attention, SSM, convolution) takes the
     2-D padding mask, under the `linear_attention` mask key, as in HF.
@@ -109,7 +117,7 @@ class HFRevBlock(RevBlock):
     g_token_wise = True
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
-                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None):
+                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = True):
         super().__init__()
         if hidden_size % 2:
             raise UserError(f"hidden_size={hidden_size} is odd; RevFFN splits it into two equal streams.")
@@ -127,6 +135,13 @@ class HFRevBlock(RevBlock):
         kw = dict(bias=False, device=ref.device, dtype=ref.dtype)
         self.p_up_attn, self.p_down_attn = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
         self.p_up_moe, self.p_down_moe = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
+        self.p_skip_attn = nn.Linear(h, h, **kw) if skip else None
+        self.p_skip_moe = nn.Linear(h, h, **kw) if skip else None
+
+    def adapters(self) -> list[nn.Linear]:
+        """The projection adapters this block adds to its HF layer (4, or 6 with the skips)."""
+        return [m for m in (self.p_up_attn, self.p_down_attn, self.p_up_moe, self.p_down_moe, self.p_skip_attn,
+                            self.p_skip_moe) if m is not None]
 
     def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         mask = sctx.masks[self.mask_key]
@@ -136,16 +151,22 @@ class HFRevBlock(RevBlock):
                             f"{mask.ndim}-D one for `{LINEAR_MASK}` layers. Fix: train without padding (pack the "
                             f"sequences), or use a revffn version that builds the linear-attention mask.")
         with sctx.autocast():
-            x = self.p_up_attn(X_2.to(self.p_up_attn.weight.dtype))
-            x = attn_branch(self.base_layer, self.spec, self.mixer, x, sctx.position_embeddings, mask,
-                            self.branch_scale, self.branch_dropout, sctx.cache)
-            return self.p_down_attn(x).to(X_2.dtype)
+            x_in = X_2.to(self.p_up_attn.weight.dtype)
+            x = attn_branch(self.base_layer, self.spec, self.mixer, self.p_up_attn(x_in), sctx.position_embeddings,
+                            mask, self.branch_scale, self.branch_dropout, sctx.cache)
+            out = self.p_down_attn(x)
+            if self.p_skip_attn is not None:
+                out = out + self.p_skip_attn(x_in)
+            return out.to(X_2.dtype)
 
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         with sctx.autocast():
-            x = self.p_up_moe(Y_1.to(self.p_up_moe.weight.dtype))
-            x = mlp_branch(self.base_layer, self.spec, x, self.branch_scale, self.branch_dropout)
-            return self.p_down_moe(x).to(Y_1.dtype)
+            y_in = Y_1.to(self.p_up_moe.weight.dtype)
+            x = mlp_branch(self.base_layer, self.spec, self.p_up_moe(y_in), self.branch_scale, self.branch_dropout)
+            out = self.p_down_moe(x)
+            if self.p_skip_moe is not None:
+                out = out + self.p_skip_moe(y_in)
+            return out.to(Y_1.dtype)
 
 
 @dataclass
@@ -305,9 +326,10 @@ class RevFFNForCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
                  stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
-                 chunk_tokens: int = CHUNK_TOKENS):
+                 chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False):
         super().__init__()
         self.hf, self.spec = hf_model, spec
+        self.adapter_skip = adapter_skip
         self.reversible = True
         self.stream_dtype = stream_dtype
         config = hf_model.config
@@ -331,7 +353,8 @@ class RevFFNForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             router = get_path(layer, f"{spec.mlp}.{spec.router}", None)
             tap = RouterTap(router, spec.router_logits_index) if isinstance(router, nn.Module) and n_exp else None
-            block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config)
+            block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config,
+                               skip=adapter_skip)
             block.position_key = config.layer_types[i] if self.rope.per_layer else None
             init_adapters(block, adapter_init)
             layers[i] = block
@@ -455,7 +478,8 @@ class RevFFNForCausalLM(nn.Module):
 
 
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
-            aux_loss_coef: float | None = None, reversible: bool = True) -> RevFFNForCausalLM:
+            aux_loss_coef: float | None = None, reversible: bool = True,
+            adapter_skip: bool = False) -> RevFFNForCausalLM:
     """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
 
     Args:
@@ -465,12 +489,17 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
         stream_dtype: residual stream dtype; keep fp32 with bf16 weights (see README).
         aux_loss_coef: router load-balancing loss weight; default: the HF config's.
         reversible: start in reversible mode (False: plain-autograd twin).
+        adapter_skip: add the d/2 x d/2 skip adapters to F and G (`HFRevBlock`). False (here, so that
+            a `final/` written before the skips existed, whose copied modeling file calls `convert`
+            without it, still builds its own structure): the four adapters of the paper only. Training
+            (`revffn.adapter_skip`) and `revffn convert` turn it on by default.
     Raises:
         UserError: unsupported architecture or odd hidden size.
     """
     if adapter_init not in ADAPTER_INITS:
         raise UserError(f"unknown adapter init {adapter_init!r}. Fix: use one of {', '.join(ADAPTER_INITS)}.")
-    model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef)
+    model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef,
+                              adapter_skip=adapter_skip)
     model.reversible = reversible
     model.train(hf_model.training)
     return model

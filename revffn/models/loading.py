@@ -240,7 +240,9 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         # built in `dtype`: from_config would take the config's own (bf16 for builtin:base) and round the weights
         hf = AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype)
         stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
-        model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream)
+        skip = bool(json.loads((root / "config.json").read_text()).get("adapter_skip", False))  # older dirs: none
+        model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
+                        adapter_skip=skip)
         load_model(model, str(root / "model.safetensors"))
     else:
         model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))

@@ -58,6 +58,7 @@ class ConvertSpec:
     heal_lr: float = 1e-3
     heal_norms: bool = False
     heal_hidden_coef: float = 0.0
+    adapter_skip: bool = True
     eval_data: str | None = None
     stream_dtype: str = "float32"
     seed: int = 0
@@ -107,7 +108,8 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     gap: dict = {"data": data}
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
-    model = convert(hf, adapter_init="calibrated", stream_dtype=parse_dtype(spec.stream_dtype)).eval()
+    model = convert(hf, adapter_init="calibrated", stream_dtype=parse_dtype(spec.stream_dtype),
+                    adapter_skip=spec.adapter_skip).eval()
     if data:
         gap["coordinate"] = retention_loss(model, tokenizer, data)
     calibration = calibrate_model(model, tokenizer, spec.calibration_data, spec.calibration_tokens,

@@ -1,5 +1,6 @@
 """The analytic memory model: parameter counts, scaling with depth, methods, sizes, calibration."""
 
+import copy
 import math
 
 import pytest
@@ -31,8 +32,10 @@ def test_param_counts_match_real_tiny_models(name):
         model = tiny_model(name, num_hidden_layers=layers)
         counts = count_params(hf_config(name, num_hidden_layers=layers))
         assert counts["total"] == sum(p.numel() for p in model.parameters())
-        adapters = sum(p.numel() for p in convert(model).adapter_parameters())
+        adapters = sum(p.numel() for p in convert(copy.deepcopy(model)).adapter_parameters())
         assert counts["adapters_revffn"] == adapters
+        with_skip = sum(p.numel() for p in convert(model, adapter_skip=True).adapter_parameters())
+        assert counts["adapters_revffn"] + counts["adapters_revffn_skip"] == with_skip
 
 
 def test_param_counts_dense_layers_and_tied_head():

@@ -34,41 +34,67 @@ def test_ridge_fit_recovers_a_linear_map_and_reports_its_residual():
     assert 0.0 < rel < 0.01  # the noise left: 0.01 / (1 + ...) of the target's energy
 
 
-def test_calibrated_beats_coordinate_on_the_shipped_base(tok):
+@pytest.fixture(scope="module")
+def calibrated_base(tok):
+    """builtin:base calibrated on the same 4096 self-sampled tokens, without and with the skip adapters:
+    ({skip: (loss on 16 held-out documents, report)}, the coordinate loss)."""
+    out, coordinate = {}, None
+    for skip in (False, True):
+        model = convert(load_hf("builtin:base"), adapter_skip=skip).eval()
+        coordinate = retention_loss(model, tok, limit=16)  # the skips start at 0: the same model
+        rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
+        report = calibrate(model, row_batches(rows))
+        out[skip] = (retention_loss(model, tok, limit=16), report)
+    return out, coordinate
+
+
+def test_calibrated_beats_coordinate_on_the_shipped_base(calibrated_base):
     """builtin:base: coordinate 4.80 on these 16 held-out documents; a 4096-token self-calibration ~2.9."""
-    model = convert(load_hf("builtin:base")).eval()
-    coordinate = retention_loss(model, tok, limit=16)
-    rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
-    report = calibrate(model, row_batches(rows))
-    calibrated = retention_loss(model, tok, limit=16)
+    fits, coordinate = calibrated_base
+    calibrated, report = fits[False]
     print({"coordinate": coordinate, "calibrated": calibrated, "worst": max(report["residuals"].values())})
     assert coordinate > 4.5
     assert calibrated < 3.0
-    assert len(report["residuals"]) == 4 * len(model.blocks)
+    assert len(report["residuals"]) == 4 * 4  # 4 fits per layer
     assert all(0.0 <= r < 1.0 for r in report["residuals"].values())
 
 
-def test_calibration_memory_does_not_grow_with_tokens():
+def test_skip_adapters_close_most_of_what_is_left(calibrated_base):
+    """With the skips, P_down_attn's fit (one joint fit with its skip) explains far more of its target in
+    every layer above the first, and the held-out loss drops well below the four-adapter fit's."""
+    fits, _ = calibrated_base
+    (plain, plain_report), (skip, skip_report) = fits[False], fits[True]
+    print({"plain": plain, "skip": skip})
+    assert skip < plain - 0.2
+    for layer in (1, 2, 3):
+        key = f"layers.{layer}.p_down_attn"
+        assert skip_report["residuals"][key] < 0.7 * plain_report["residuals"][key]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_calibration_memory_does_not_grow_with_tokens(skip):
     """The fp64 accumulators are O(d²), whatever the tokens; keep_states=False holds nothing else and
     gives the same adapters; keep_states=True holds one layer's inputs (2·d values per token)."""
     reports, weights = {}, {}
     for n_rows, keep in ((8, True), (16, True), (16, False)):
-        model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3)).eval()
+        model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3), adapter_skip=skip).eval()
         ids = torch.randint(3, 512, (n_rows, 32), generator=torch.Generator().manual_seed(n_rows))
         reports[n_rows, keep] = calibrate(model, row_batches(ids, 4), keep_states=keep)
         weights[n_rows, keep] = [p.detach().clone() for p in model.adapter_parameters()]
     assert reports[8, True]["accumulator_bytes"] == reports[16, True]["accumulator_bytes"] \
         == reports[16, False]["accumulator_bytes"]
     d = 64
-    assert reports[8, True]["accumulator_bytes"] <= 8 * (d * d + d * d // 2 + 1)  # the largest fit: P_down, fp64
+    fit_in = d + d // 2 if skip else d  # the largest fit: P_down (with its skip), fp64
+    assert reports[8, True]["accumulator_bytes"] == 8 * (fit_in * fit_in + fit_in * d // 2 + 1)
     assert reports[16, False]["kept_bytes"] == 0
     assert reports[16, True]["kept_bytes"] == 16 * 32 * 2 * d * 4  # h_l and the two d/2 streams, fp32
     assert all(torch.equal(a, b) for a, b in zip(weights[16, True], weights[16, False]))
 
 
-def test_parity_holds_after_calibration():
-    """Calibrated adapters are ordinary weights: reversible gradients still equal the plain twin's."""
-    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3))
+@pytest.mark.parametrize("skip", [False, True])
+def test_parity_holds_after_calibration(skip):
+    """Calibrated adapters (and skips) are ordinary weights: reversible gradients still equal the plain twin's."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3), adapter_skip=skip)
     calibrate(model, row_batches(sample_self(model, 8, 32, 2), 4))
     model.train()
     ids = torch.randint(3, 512, (2, 24))
@@ -78,6 +104,8 @@ def test_parity_holds_after_calibration():
         model.reversible = rev
         model(ids, labels=ids).loss.backward()
         grads[rev] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    if skip:  # fitted, not left at 0, and they get gradients
+        assert all(b.p_skip_attn.weight.abs().max() > 0 and b.p_skip_moe.weight.grad is not None for b in model.blocks)
     assert ((grads[True] - grads[False]).norm() / grads[False].norm()) < 1e-5
 
 

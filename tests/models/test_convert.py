@@ -80,6 +80,26 @@ def test_zero_init_is_exactly_the_layerless_model():
         assert torch.allclose(model(ids).logits, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("init", ["coordinate", "zero"])  # (random: building the skips draws numbers first)
+def test_skip_adapters_start_at_zero_and_are_adapters(init):
+    """With `adapter_skip` every block gains two d/2 x d/2 skips, counted as adapters (stage 1 trains them),
+    at 0 for every init: the model computes exactly what the four-adapter one does."""
+    ids = torch.randint(3, 512, (2, 8))
+    torch.manual_seed(0)
+    plain = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_init=init).eval()
+    torch.manual_seed(0)
+    skip = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_init=init, adapter_skip=True).eval()
+    h = plain.config.hidden_size // 2
+    assert all(b.p_skip_attn is None and b.p_skip_moe is None for b in plain.blocks)
+    for b in skip.blocks:
+        assert b.p_skip_attn.weight.shape == b.p_skip_moe.weight.shape == (h, h)
+        assert b.p_skip_attn.weight.count_nonzero() == b.p_skip_moe.weight.count_nonzero() == 0
+    n_plain, n_skip = (sum(p.numel() for p in m.adapter_parameters()) for m in (plain, skip))
+    assert n_skip - n_plain == 2 * h * h * len(skip.blocks)
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, skip(ids).logits)
+
+
 def test_coordinate_init_keeps_what_the_pretrained_layers_know():
     """On the shipped pretrained base: `coordinate` must beat `zero` (the layerless model: embedding ->
     final norm -> head), so the converted layers still contribute, and `random` (noise, about the

@@ -117,3 +117,27 @@ def test_final_written_before_the_remote_code_format_still_loads(tmp_path, one_t
         for d in (old, new):
             assert torch.equal(load(str(d))(ids).logits, ref), d
     assert hf_config(str(new)).model_type == "qwen2_moe" and hf_config(str(new)).hidden_size == 64
+
+
+def test_skip_adapters_round_trip_and_older_directories_load_without_them(tmp_path, one_thread):
+    """A model with (trained, non-zero) skip adapters reloads with them; a remote-code directory written
+    before the skips existed (no `adapter_skip` in config.json) builds the four-adapter blocks it holds."""
+    ids = torch.randint(3, 500, (2, 9))
+    for skip in (True, False):
+        model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_skip=skip).eval()
+        with torch.no_grad():
+            for p in model.adapter_parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        out = tmp_path / f"skip-{skip}"
+        out.mkdir()
+        save_converted(model, out)
+        write_manifest(out, format="revffn", method="revffn", stream_dtype="float32", adapter_init="coordinate")
+        config = json.loads((out / "config.json").read_text())
+        assert config["adapter_skip"] is skip
+        if not skip:  # as written before the key existed
+            del config["adapter_skip"]
+            (out / "config.json").write_text(json.dumps(config))
+        loaded = load(str(out))
+        assert all((b.p_skip_attn is not None) is skip for b in loaded.blocks)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, model(ids).logits)

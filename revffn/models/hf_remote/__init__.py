@@ -29,7 +29,8 @@ def save_converted(model, out_dir: Path) -> None:
     """Write `model` (a `RevFFNForCausalLM`) into `out_dir` as transformers loads it with remote code."""
     dtype = dtype_name(next(model.parameters()).dtype)  # the weights' dtype, as save_pretrained records it
     config = RevFFNConfig(text_config={**model.config.to_dict(), "dtype": dtype}, dtype=dtype,
-                          stream_dtype=dtype_name(model.stream_dtype), architectures=["RevFFNModelForCausalLM"])
+                          stream_dtype=dtype_name(model.stream_dtype), adapter_skip=model.adapter_skip,
+                          architectures=["RevFFNModelForCausalLM"])
     config.auto_map = AUTO_MAP
     config.save_pretrained(out_dir)
     save_model(model, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})

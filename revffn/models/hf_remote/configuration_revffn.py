@@ -17,6 +17,8 @@ class RevFFNConfig(PreTrainedConfig):
     """Attributes:
     text_config: the base HF model's config (a dict in config.json).
     stream_dtype: dtype of the two half-width residual streams ("float32" or "bfloat16").
+    adapter_skip: the blocks have the d/2 x d/2 skip adapters (`revffn.adapter_skip`; absent in
+        directories written before them: False).
     """
 
     model_type = "revffn"
@@ -24,3 +26,4 @@ class RevFFNConfig(PreTrainedConfig):
 
     text_config: dict | PreTrainedConfig | None = None
     stream_dtype: str = "float32"
+    adapter_skip: bool = False
