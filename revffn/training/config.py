@@ -127,6 +127,11 @@ class TrainConfig:
         return {**self.values, **{k: dict(v) for k, v in self.sections.items()}}
 
 
+MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value those checkpoints were trained with
+    "revffn.adapter_skip": False,
+}
+
+
 def math_config(cfg: TrainConfig, weights_dtype) -> dict:
     """The keys a resume may not change (`RESUME_MAY_CHANGE`), the method's options as dotted keys and
     `dtype` as the run resolved it (`auto` is bf16 on CUDA, fp32 on CPU): kept in each checkpoint's

@@ -23,7 +23,7 @@ from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
-from revffn.training.config import math_config
+from revffn.training.config import MATH_KEYS_ADDED, math_config
 from revffn.training.manifest import MANIFEST, read_manifest, verify_checkpoint
 from revffn.training.optim import check_optimizer
 from revffn.training.parallel import launched_world, pick_distributed
@@ -87,6 +87,8 @@ def check_resume_config(cfg, ckpt: Path, weights_dtype: torch.dtype) -> None:
     """Refuses a resume whose config differs from the checkpoint's in a key that changes the math
     (`config.RESUME_MAY_CHANGE` lists those that may change)."""
     saved = read_manifest(ckpt)["config"]
+    older = {k: v for k, v in MATH_KEYS_ADDED.items() if k.split(".")[0] == saved.get("method")}
+    saved = {**older, **saved}  # a checkpoint written before a key existed was trained with its old value
     now = json.loads(json.dumps(math_config(cfg, weights_dtype)))  # as the manifest holds it
     changed = [k for k in saved if k in now and saved[k] != now[k]]
     if changed:

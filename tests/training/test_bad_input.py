@@ -10,6 +10,7 @@ import yaml
 
 from revffn import cli
 from revffn.training.config import QUICKSTART
+from revffn.training.manifest import config_sha256
 from tests.training._util import TINY, files_state, flip_byte
 
 
@@ -175,6 +176,20 @@ def _resume_fails(capsys, trained_run, tmp_path, over, *needles, damage=None):
 def test_resume_refuses_a_change_of_the_math(capsys, trained_run, tmp_path, over, says, was, fix):
     _resume_fails(capsys, trained_run, tmp_path, ["resume=true", *over], f"the config says {says}, but checkpoint",
                   f"was trained with {was}, which changes the math", f"Fix: resume with the checkpoint's value {fix}, ")
+
+
+def test_resume_of_a_checkpoint_from_before_the_skip_adapters(capsys, trained_run, tmp_path):
+    """A checkpoint whose config predates `revffn.adapter_skip` was trained without the skips: resuming it with
+    the new default is refused, naming the key and the value to resume with."""
+    def drop_key(checkpoints):
+        for manifest in checkpoints.glob("step-*/manifest.json"):
+            m = json.loads(manifest.read_text())
+            del m["config"]["revffn.adapter_skip"]
+            m["config_sha256"] = config_sha256(m["config"])  # as a manifest of that time was: consistent
+            manifest.write_text(json.dumps(m))
+    _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "the config says revffn.adapter_skip=True",
+                  "was trained with revffn.adapter_skip=False", "Fix: resume with the checkpoint's value "
+                  "revffn.adapter_skip=false", damage=drop_key)
 
 
 def test_resume_path_of_another_models_checkpoint(capsys, trained_run, tmp_path):
