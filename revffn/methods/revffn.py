@@ -88,6 +88,13 @@ class RevFFNMethod(Method):
     @classmethod
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
+        from revffn.models.loading import converted_adapter_skip, is_converted
+
+        if is_converted(cfg.model) and converted_adapter_skip(cfg.model) != opts["adapter_skip"]:
+            held = converted_adapter_skip(cfg.model)
+            raise UserError(f"revffn.adapter_skip={str(opts['adapter_skip']).lower()}: {cfg.model!r} was converted "
+                            f"{'with' if held else 'without'} the skip adapters, and a converted model is trained as "
+                            f"it is. Fix: revffn.adapter_skip={str(held).lower()}, or convert the base model again.")
         if opts["adapter_warmup_steps"] >= cfg.max_steps:
             raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} leaves no stage-2 step "
                             f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")

@@ -185,6 +185,13 @@ def is_converted(model: str, key: str = "model") -> bool:
     return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
 
 
+def converted_adapter_skip(model: str, key: str = "model") -> bool:
+    """Whether a converted directory's blocks have the skip adapters (its config.json's `adapter_skip`;
+    absent, in directories written before them: False)."""
+    config = Path(resolve_model_ref(str(model), key, weights=False)).expanduser() / "config.json"
+    return bool(json.loads(config.read_text()).get("adapter_skip", False)) if config.is_file() else False
+
+
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):
     """An HF causal LM from a tiny preset (random init), a shipped model, a local directory or a Hub ID
     (`resolve_model_ref`: from the cache, downloaded unless offline).
@@ -240,9 +247,8 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         # built in `dtype`: from_config would take the config's own (bf16 for builtin:base) and round the weights
         hf = AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype)
         stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
-        skip = bool(json.loads((root / "config.json").read_text()).get("adapter_skip", False))  # older dirs: none
         model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
-                        adapter_skip=skip)
+                        adapter_skip=converted_adapter_skip(str(root)))
         load_model(model, str(root / "model.safetensors"))
     else:
         model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))
