@@ -100,7 +100,7 @@ class HFRevBlock(RevBlock):
         F(X_2) = P_down_attn( attn_branch( P_up_attn(X_2) ) )  [+ P_skip_attn(X_2)]
         G(Y_1) = P_down_moe( mlp_branch( P_up_moe(Y_1) ) )     [+ P_skip_moe(Y_1)]
 
-    The skips (`skip=True`, `revffn.adapter_skip`) are d/2 x d/2 linear maps, one per branch. F still
+    The skips (`skip=True`; `revffn.adapter_skip`) are d/2 x d/2 linear maps, one per branch. F still
     depends on X_2 alone and G on Y_1 alone, so the block stays exactly invertible. They give back the
     residual path the split cuts: without them X_1 only ever receives attention outputs and X_2 only
     MoE outputs, so neither half can carry the other branch's update to the next layer (calibrated on
@@ -117,7 +117,7 @@ class HFRevBlock(RevBlock):
     g_token_wise = True
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
-                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = True):
+                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = False):
         super().__init__()
         if hidden_size % 2:
             raise UserError(f"hidden_size={hidden_size} is odd; RevFFN splits it into two equal streams.")
