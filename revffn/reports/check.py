@@ -111,7 +111,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         loss_unconverted = hf32(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
 
     conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
-                   stream_dtype=stream_dtype)
+                   stream_dtype=stream_dtype, adapter_skip=True)  # the trained default: the skips' grads too
     conv.train()
     conv.debug.track_routing_flips = True
     with torch.no_grad():
@@ -141,7 +141,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "routing_record_bytes": records["routing"], "rng_record_bytes": records["rng"],
     }
     if low:
-        ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init)
+        ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init, adapter_skip=True)
         ref.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
         ref.train()
         _, g_fp32, _, _ = _step(ref, ids, mask, labels, False, None, seed)
