@@ -90,8 +90,8 @@ class RevFFNMethod(Method):
         opts = cfg.section(cls.name)
         from revffn.models.loading import converted_adapter_skip, is_converted
 
-        if is_converted(cfg.model) and converted_adapter_skip(cfg.model) != opts["adapter_skip"]:
-            held = converted_adapter_skip(cfg.model)
+        held = converted_adapter_skip(cfg.model) if is_converted(cfg.model) else opts["adapter_skip"]
+        if held != opts["adapter_skip"]:
             raise UserError(f"revffn.adapter_skip={str(opts['adapter_skip']).lower()}: {cfg.model!r} was converted "
                             f"{'with' if held else 'without'} the skip adapters, and a converted model is trained as "
                             f"it is. Fix: revffn.adapter_skip={str(held).lower()}, or convert the base model again.")

@@ -218,15 +218,15 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     inputs = _LayerInputs(model, batches, keep_states)
     for l, block in enumerate(model.blocks):
         for group in groups:
-            fits = {n: RidgeFit(sum(m.in_features for m in _fitted(block, n)), getattr(block, n).out_features,
+            sets = {n: _fitted(block, n) for n in group}
+            fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
                                 getattr(block, n).weight.device) for n in group}
             _layer_pass(model, inputs, fits, mode == "one_pass")
             passes += 1
             acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
             for name, fit in fits.items():
                 weight, rel = fit.solve(ridge)
-                for layer, w in zip(_fitted(block, name), weight.split([m.in_features for m in _fitted(block, name)],
-                                                                        dim=1)):
+                for layer, w in zip(sets[name], weight.split([m.in_features for m in sets[name]], dim=1)):
                     layer.weight.copy_(w.to(layer.weight.dtype))
                 residuals[f"layers.{l}.{name}"] = rel
                 rows = fit.rows
