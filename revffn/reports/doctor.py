@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from revffn.errors import one_line
 from revffn.reports.check import TOL, run_check
 
 PACKAGES = ("torch", "transformers", "peft")
@@ -135,7 +136,7 @@ def check_memory(dev: torch.device, probe_mib: int | None) -> dict:
         del x  # frees the probe
     except (RuntimeError, MemoryError) as e:
         return _check("memory", False, f"could not allocate a {probe / 2**20:.0f} MiB probe {where} "
-                      f"({str(e).splitlines()[0][:200]}); {_gib(free)} free of {_gib(total)}", fix, **measured)
+                      f"({one_line(e)[:200]}); {_gib(free)} free of {_gib(total)}", fix, **measured)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return _check("memory", ok, f"allocated and wrote a {probe / 2**20:.0f} MiB probe {where}; {_gib(free)} free of "
@@ -149,7 +150,7 @@ def check_bf16(dev: torch.device) -> dict:
         a = torch.randn(64, 64, device=dev, generator=torch.Generator(dev).manual_seed(0))
         err = ((a.bfloat16() @ a.bfloat16()).float() - a @ a).norm().item() / (a @ a).norm().item()
     except RuntimeError as e:
-        return _check("bf16", False, f"a bf16 matmul failed: {str(e).splitlines()[0][:200]}",
+        return _check("bf16", False, f"a bf16 matmul failed: {one_line(e)[:200]}",
                       "dtype=float32 (slower, more memory)", native=native)
     ok = err < 2e-2 and native is not False
     detail = f"bf16 matmul relative error {err:.1e} vs fp32" + ("" if native is None else

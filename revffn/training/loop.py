@@ -48,7 +48,7 @@ from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.models.generation import save_generation_config
-from revffn.training.checkpoint import clean_partial, load_checkpoint, save_checkpoint
+from revffn.training.checkpoint import clean_partial, load_checkpoint, read_trainer_state, save_checkpoint
 from revffn.training.config import TrainConfig, math_config
 from revffn.training.evaluate import eval_loss
 from revffn.training.parallel import (
@@ -303,7 +303,7 @@ def _log_resume(cfg, plan, restarts: int, restart_error: str | None) -> None:
     to = plan.resume_from.name if plan.resume_from is not None else None
     if restart_error is not None:
         limit = f"/{cfg.max_restarts}" if cfg.max_restarts else ""
-        from_step = int(to.split("-")[1]) if to else 0
+        from_step = read_trainer_state(plan.resume_from)["step"] if to else 0  # (resume may name any dir)
         _event(plan.run_dir, {"event": "restart", "restart": restarts, "max_restarts": cfg.max_restarts or None,
                               "error": restart_error, "from_step": from_step},
                f"restart {restarts}{limit} after {restart_error} (from step {from_step})")
