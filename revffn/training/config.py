@@ -98,6 +98,7 @@ RESUME_MAY_CHANGE = frozenset({
     "eval_data", "eval_steps", "eval_max_new_tokens", "eval_generate_limit",  # what it measures
     "max_steps",  # how long it runs: extending a run re-shapes the rest of a cosine/linear schedule, on purpose
     "device", "distributed", "distributed_timeout",  # where it runs (the resolved dtype is compared instead)
+    "report_to", "stall_timeout_s", "memory_growth_window", "memory_growth_tolerance_mib",  # how it is watched
 })
 """The keys a resume may change. Every other key, and the method's options, changes the math of the
 steps to come: a resume that changes one is refused (`setup.check_resume_config`). The batch is
