@@ -201,16 +201,26 @@ def test_the_docs_check_catches_a_broken_line(bad):
 
 
 def test_the_architecture_claim_matches_the_committed_sweep():
-    """The README's count and named types are those `revffn archs` wrote to docs/architectures.json."""
+    """The README's counts and named types, per family, are those `revffn archs` wrote to docs/architectures.json."""
     import re
 
     sweep = json.loads((ROOT / "docs" / "architectures.json").read_text())
-    exact = {r["model_type"] for r in sweep["results"] if r["status"] == "exact"}
+    moe = [r for r in sweep["results"] if r["family"] == "moe"]
+    exact = {r["model_type"] for r in moe if r["status"] == "exact"}
     claim = re.search(r"\((\d+) of the (\d+) MoE model types in transformers [\d.]+ convert with exact gradients, "
                       r"e\.g\. (.+?); the other (\d+) are refused", " ".join(README.split()))
     assert claim, "README: the architecture sentence changed; keep it checkable"
     n_exact, n_all, named, n_refused = claim.groups()
-    assert (int(n_exact), int(n_all), int(n_refused)) == (len(exact), len(sweep["results"]),
-                                                         sweep["counts"]["refused"])
+    assert (int(n_exact), int(n_all), int(n_refused)) == (len(exact), len(moe),
+                                                         sweep["family_counts"]["moe"]["refused"])
     assert set(re.findall(r"`(\w+)`", named)) <= exact
-    assert not sweep["counts"]["crash"] and not sweep["counts"]["wrong"] and not sweep["counts"]["unfaithful"]
+    assert not any(sweep["family_counts"]["moe"][s] for s in ("crash", "wrong", "unfaithful", "build-error"))
+    dense = sweep["family_counts"]["dense"]
+    exact = {r["model_type"] for r in sweep["results"] if r["family"] == "dense" and r["status"] == "exact"}
+    claim = re.search(r"Of the (\d+) dense model types, (\d+) convert exactly too, e\.g\. (.+?); (\d+) are refused, "
+                      r"(\d+) crash, (\d+) cannot be built tiny", " ".join(README.split()))
+    assert claim, "README: the dense architecture sentence changed; keep it checkable"
+    n_all, n_exact, named, *n_failed = claim.groups()
+    assert int(n_all) == sum(dense.values()) and int(n_exact) == len(exact) == dense["exact"]
+    assert [int(n) for n in n_failed] == [dense["refused"], dense["crash"], dense["build-error"]]
+    assert set(re.findall(r"`(\w+)`", named)) <= exact and not dense["wrong"] and not dense["unfaithful"]

@@ -1,21 +1,26 @@
-"""Tiny random configs for ANY HF MoE causal LM, built from the config class's own defaults.
+"""Tiny random configs for ANY HF causal LM, MoE or dense, built from the config class's own defaults.
 
 `tiny_config_for("jamba")` starts from `JambaConfig()` and shrinks every size key it has (table
 `TINY_SIZES`): hidden 64, 4 heads, 2 KV heads, head_dim 16, 4 experts, top-2, widths 32-64,
 vocab 256, small MLA ranks, small linear-attention / SSM state. Per-layer lists (`layer_types`,
 `mlp_layer_types`, ...) are re-sampled so that every layer kind of the full model still appears,
-which sets the layer count (at least 2). Dropout and jitter keys are set > 0: the sweep trains
+which sets the layer count (at least 2). Nested model configs (a multimodal model's `text_config`,
+`vision_config`, ...) are shrunk the same way. Dropout and jitter keys are set > 0: the sweep trains
 with every stochastic feature on; granite-style scale keys are set off their neutral 1.0. What the
 table cannot express lives in `TYPE_OVERRIDES`.
 
-`moe_model_types()` lists the model types the sweep covers: every type with a causal-LM class
-whose config has an MoE key.
+The sweep covers two families (`model_families()`): `moe_model_types()`, every type with a
+causal-LM class whose config has an MoE key, and `dense_model_types()`, every other type with a
+causal-LM class. A multimodal wrapper whose `text_config` has an MoE key (llama4, qwen3_5_moe, ...)
+is in neither: its decoder is swept as its own `*_text` MoE type.
 
     from revffn.models.tiny_any import tiny_model_for
     model = tiny_model_for("deepseek_v3")       # an ordinary HF *ForCausalLM, random weights
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import transformers
@@ -35,11 +40,16 @@ TINY_SIZES: dict[str, int] = {
     "swa_head_dim": 16, "vocab_size": 256, "vocab_size_per_layer_input": 256, "unpadded_vocab_size": 256,
     "ngram_vocab_size_base": 256, "split_ngram_parts": 2, "make_ngram_vocab_size_divisible_by": 8,
     "max_position_embeddings": 256, "max_seq_len": 256, "model_max_length": 256,
+    # GPT-2 and encoder-decoder names of the same sizes (dense types)
+    "n_embd": 64, "n_head": 4, "n_positions": 256, "n_ctx": 256, "max_target_positions": 256,
+    "max_source_positions": 256, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": 2,
+    "emb_dim": 64, "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 256,
     # FFN widths
     "intermediate_size": 64, "dense_intermediate_size": 64, "intermediate_size_mlp": 64, "ffn_hidden_size": 64,
     "prefix_dense_intermediate_size": 64, "moe_intermediate_size": 32, "expert_ffn_hidden_size": 32,
     "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32, "shared_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "n_inner": 64, "dff": 64, "ffn_dim": 64, "d_ff": 64,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
     # experts and routing
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2, "top_k_experts": 2,
@@ -88,7 +98,7 @@ SOFTCAP = 0.1  # *_logit_softcapping: small enough to bend a tiny random model's
 STOCHASTIC = 0.1  # every dropout / jitter / pdrop key: the sweep trains with randomness on
 STOCHASTIC_MARKS = ("dropout", "jitter", "pdrop")
 SUBCONFIGS = ("attn_config",)  # other sub-config dicts whose keys are shrunk too
-LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layers", "num_layers")
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layers", "num_layers", "n_layer", "decoder_layers")
 INDEX_LIST_KEYS = ("moe_layers", "mlp_only_layers", "ple_layer_ids", "local_layer_ids")
 MAX_LAYERS = 6
 
@@ -98,6 +108,11 @@ TYPE_OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),  # default None breaks
     "dots3_note_text": dict(head_dim=24),  # its sliding layers need head_dim = qk_nope_head_dim + qk_rope_head_dim
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # default: all Mamba
+    "diffllama": dict(attention_dropout=0.0),  # it refuses attention dropout
+    "reformer": dict(is_decoder=True, axial_pos_embds=False),  # its causal-LM class needs is_decoder
+    "mamba2": dict(num_heads=8),  # num_heads * head_dim = expand * hidden_size
+    "falcon_h1": dict(mamba_d_ssm=64),  # mamba_n_heads * mamba_d_head
+    "nemotron": dict(num_key_value_heads=2),  # its default None breaks the attention
     "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1),  # layers: mamba+MLP, attention+MoE, mamba+MLP, mamba+MoE
 }
@@ -114,12 +129,17 @@ def _has_moe_keys(d: dict) -> bool:
                                                   for s in MOE_SUBCONFIGS)
 
 
-def moe_model_types() -> list[str]:
-    """Every model type with a causal-LM class whose config (or `ffn_config`) has an MoE key."""
+def _is_model_config(key: str, value) -> bool:
+    """A nested model config (`text_config`, `vision_config`, ...: a dict with its own model_type)."""
+    return isinstance(value, dict) and bool(value.get("model_type")) and key not in MOE_SUBCONFIGS + SUBCONFIGS
+
+
+@functools.cache
+def _families() -> dict[str, str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    out = []
+    out = {}
     for mt in CONFIG_MAPPING_NAMES:
         if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             continue
@@ -128,16 +148,37 @@ def moe_model_types() -> list[str]:
         except Exception:  # a default that does not validate: judge the class annotations
             d = dict.fromkeys(getattr(_config_class(mt), "__annotations__", {}))
         if _has_moe_keys(d):
-            out.append(mt)
+            out[mt] = "moe"
+        elif not (isinstance(d.get("text_config"), dict) and _has_moe_keys(d["text_config"])):
+            out[mt] = "dense"  # (an MoE text_config: the wrapper's decoder is swept as its *_text type)
     return out
 
 
+def model_families() -> dict[str, str]:
+    """{model type: "moe" or "dense"} for every type the sweep covers, in transformers' order
+    (see the module docstring)."""
+    return dict(_families())
+
+
+def moe_model_types() -> list[str]:
+    """Every model type with a causal-LM class whose config (or `ffn_config`) has an MoE key."""
+    return [mt for mt, family in _families().items() if family == "moe"]
+
+
+def dense_model_types() -> list[str]:
+    """Every other model type with a causal-LM class, but multimodal wrappers of an MoE `text_config`."""
+    return [mt for mt, family in _families().items() if family == "dense"]
+
+
 def _shrink(d: dict, stochastic: float | dict[str, float], prefix: str = "") -> dict:
-    """The tiny values for the size and stochastic keys `d` has (recursing into sub-config dicts)."""
+    """The tiny values for the size and stochastic keys `d` has (recursing into sub-config dicts;
+    a nested model config is returned whole, shrunk as its own model's)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and k in MOE_SUBCONFIGS + SUBCONFIGS:
             out[k] = _shrink(v, stochastic, f"{prefix}{k}.")
+        elif _is_model_config(k, v):
+            out[k] = {**v, **_tiny_kwargs(v, stochastic, f"{prefix}{k}.")}
         elif _is_stochastic(k, v):
             out[k] = stochastic.get(prefix + k, 0.0) if isinstance(stochastic, dict) else stochastic
         elif k in TINY_SIZES and _is_int(v) and v > 0:
@@ -171,12 +212,14 @@ def _is_stochastic(key: str, value) -> bool:
 def stochastic_keys(model_type: str) -> list[str]:
     """The config keys of `model_type` that switch randomness on in training (dotted in sub-configs):
     every float / None key named like a dropout, jitter or pdrop."""
+    fixed = TYPE_OVERRIDES.get(model_type, {})  # a key the type's override pins is not switched
+
     def walk(d: dict, prefix: str) -> list[str]:
         out = []
         for k, v in d.items():
-            if isinstance(v, dict) and k in MOE_SUBCONFIGS + SUBCONFIGS:
+            if isinstance(v, dict) and (k in MOE_SUBCONFIGS + SUBCONFIGS or _is_model_config(k, v)):
                 out += walk(v, f"{prefix}{k}.")
-            elif _is_stochastic(k, v):
+            elif _is_stochastic(k, v) and not (prefix == "" and k in fixed):
                 out.append(prefix + k)
         return out
 
@@ -205,11 +248,30 @@ def _layer_sample(d: dict, n0: int) -> list[int]:
     return sorted(idx)
 
 
+def _tiny_kwargs(d: dict, stochastic: float | dict[str, float], prefix: str = "") -> dict:
+    """The keys of config dict `d` that the tiny config changes: sizes (`_shrink`), and the layer
+    count with every per-layer list re-sampled (`_layer_sample`)."""
+    kw = _shrink(d, stochastic, prefix)
+    n_key = next((k for k in LAYER_COUNT_KEYS if _is_int(d.get(k))), None)
+    if n_key is not None:
+        n0 = d[n_key]
+        idx = _layer_sample(d, n0)
+        kw[n_key] = len(idx)
+        for k, v in d.items():
+            if not isinstance(v, list):
+                continue
+            if k in INDEX_LIST_KEYS and all(isinstance(x, int) for x in v):
+                kw[k] = [j for j, i in enumerate(idx) if i in v]
+            elif len(v) == n0:
+                kw[k] = [v[i] for i in idx]
+    return kw
+
+
 def tiny_config_for(model_type: str, stochastic: float | dict[str, float] = STOCHASTIC, **overrides):
     """A tiny HF config of `model_type`, from its config class's defaults (see module docstring).
 
     Args:
-        model_type: an HF `model_type` (`moe_model_types()` lists the swept ones).
+        model_type: an HF `model_type` (`model_families()` lists the swept ones).
         stochastic: the value of every dropout / jitter key (0 turns the keyed randomness off), or
             {dotted key: value} to switch on only those (the others are 0); see `stochastic_keys`.
         overrides: config keys set last.
@@ -222,20 +284,7 @@ def tiny_config_for(model_type: str, stochastic: float | dict[str, float] = STOC
         raise UserError(f"unknown model_type {model_type!r}.{closest(model_type, CONFIG_MAPPING_NAMES)} "
                         f"Fix: use a model type of transformers {transformers.__version__}.")
     cls = _config_class(model_type)
-    d = cls().to_dict()
-    kw = _shrink(d, stochastic)
-    n_key = next((k for k in LAYER_COUNT_KEYS if isinstance(d.get(k), int)), None)
-    if n_key is not None:
-        n0 = d[n_key]
-        idx = _layer_sample(d, n0)
-        kw[n_key] = len(idx)
-        for k, v in d.items():
-            if not isinstance(v, list):
-                continue
-            if k in INDEX_LIST_KEYS and all(isinstance(x, int) for x in v):
-                kw[k] = [j for j, i in enumerate(idx) if i in v]
-            elif len(v) == n0:
-                kw[k] = [v[i] for i in idx]
+    kw = _tiny_kwargs(cls().to_dict(), stochastic)
     for k, v in TYPE_OVERRIDES.get(model_type, {}).items():
         kw[k] = {**kw[k], **v} if isinstance(v, dict) and isinstance(kw.get(k), dict) else v
     kw.update(overrides)
@@ -244,7 +293,7 @@ def tiny_config_for(model_type: str, stochastic: float | dict[str, float] = STOC
 
 def tiny_model_for(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                    stochastic: float | dict[str, float] = STOCHASTIC, **overrides):
-    """A tiny random HF causal LM of `model_type` (fp32, weights seeded)."""
+    """A tiny random HF causal LM of `model_type`, MoE or dense (fp32, weights seeded)."""
     config = tiny_config_for(model_type, stochastic, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

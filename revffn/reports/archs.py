@@ -1,7 +1,8 @@
-"""`revffn archs`: the architecture sweep. Every HF MoE causal LM, tiny, trained one step both ways.
+"""`revffn archs`: the architecture sweep. Every HF causal LM, MoE and dense, tiny, trained one step both ways.
 
-For each model type of `moe_model_types()`: build the tiny model (`tiny_model_for`: fp32, seed 0,
-every dropout / jitter key > 0), `convert()` it, and run one batch (2 x 16 tokens, the last row
+For each model type of `model_families()` (family `moe`: the config has an MoE key; `dense`: every
+other causal-LM type): build the tiny model (`tiny_model_for`: fp32, seed 0, every dropout /
+jitter key > 0), `convert()` it, and run one batch (2 x 16 tokens, the last row
 padded) in train mode twice from the same RNG seed: the plain twin (`model.reversible = False`),
 then the reversible stack. Loss and EVERY parameter gradient are compared (max relative error per
 parameter, floored as `revffn check` does: `reports.check.grad_error`). Status:
@@ -25,7 +26,7 @@ reversible forward that the engine did not record: choices the backward would ta
 converted model never uses, beyond those the HF model itself leaves without gradient).
 
     revffn archs --out docs/architectures.md --json-out archs.json
-    revffn archs --types mixtral,jamba --json
+    revffn archs --types mixtral,jamba,llama --json
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from revffn.models.convert import convert
 from revffn.models.layout import check_convertible, logits_transform, reference_layer
 from revffn.models.loss import head_logits
 from revffn.models.spec import config_value, get_path
-from revffn.models.tiny_any import STOCHASTIC, moe_model_types, stochastic_keys, tiny_model_for
+from revffn.models.tiny_any import STOCHASTIC, model_families, stochastic_keys, tiny_model_for
 from revffn.reports.check import grad_error, make_batch
 
 TOL = 1e-5
@@ -58,9 +59,11 @@ DISCRETE = (torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax, to
             torch.sort, torch.Tensor.sort, torch.multinomial, torch.Tensor.multinomial)
 WITH_DIM = (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)  # with a dim they return indices
 STATUSES = ("exact", "wrong", "unfaithful", "refused", "crash", "build-error")
+FAMILIES = ("moe", "dense")
 GAPS = ("layer_gap", "embed_gap", "logits_gap")
 GAP_TOL = 1e-4  # fp32 recomputation of the same ops agrees to ~1e-6
 ROUNDING_TOL = 1e-3  # above TOL but below this, fp32 streams are rechecked as fp64 (see _run)
+THREADS = 1  # torch intra-op threads during the sweep (see run_archs)
 
 
 class SweepTimeout(Exception):
@@ -200,8 +203,9 @@ def layout_gaps(hf, spec, ids, mask) -> dict[str, float | None]:
 def sweep_one(model_type: str, seed: int = 0, batch: int = BATCH, seq: int = SEQ, timeout: float | None = 60.0,
               diagnose: bool = True) -> dict:
     """Build, convert and compare one model type; never raises (see module docstring)."""
-    row = {"model_type": model_type, "status": None, "max_rel_grad_error": None, "worst_param": None,
-           "loss_diff": None, "reason": "", "stage": "build", "seconds": None}
+    row = {"model_type": model_type, "family": model_families().get(model_type), "status": None,
+           "max_rel_grad_error": None, "worst_param": None, "loss_diff": None, "reason": "", "stage": "build",
+           "seconds": None}
     t0 = time.perf_counter()
     try:
         with time_limit(timeout):
@@ -234,7 +238,7 @@ def _run(row: dict, model_type: str, seed: int, batch: int, seq: int, diagnose: 
     hf.train()
     row["hf_class"] = type(hf).__name__
     row["layers"] = getattr(hf.config, "num_hidden_layers", None)
-    ids, mask, labels = make_batch(hf.config.vocab_size, batch, seq, seed)
+    ids, mask, labels = make_batch(hf.config.get_text_config().vocab_size, batch, seq, seed)  # (a wrapper's)
     row["stage"] = "convert"
     spec = spec_for(hf)  # the UserErrors convert would raise, before the probes below
     check_convertible(hf, spec)
@@ -336,28 +340,40 @@ def _hf_no_grad(hf, ids, mask, labels) -> list[str] | None:
 
 def run_archs(types: list[str] | None = None, seed: int = 0, timeout: float | None = 60.0, diagnose: bool = True,
               argv: list[str] | None = None, progress=None) -> dict:
-    """Sweep `types` (default: every MoE causal-LM type); the archs.json document."""
+    """Sweep `types` (default: every causal-LM type, MoE then dense); the archs.json document, with
+    `counts` per status over all rows and `family_counts` per family."""
     import transformers
 
     from revffn.reports.bench import _git
 
-    types = types or moe_model_types()
+    if not types:
+        families = model_families()
+        types = [mt for family in FAMILIES for mt, f in families.items() if f == family]
     t0 = time.perf_counter()
     rows = []
-    torch_threads = torch.get_num_threads()
-    for i, mt in enumerate(types, 1):
-        with torch.random.fork_rng(devices=[]):
-            rows.append(sweep_one(mt, seed=seed, timeout=timeout, diagnose=diagnose))
-        if progress is not None:
-            progress(i, len(types), rows[-1])
+    before = torch.get_num_threads()
+    # tiny models: per-op overhead dominates, so one intra-op thread is fastest, and it stays fast
+    # when another process holds a core (two threads on one free core are several times slower)
+    torch.set_num_threads(THREADS)
+    try:
+        for i, mt in enumerate(types, 1):
+            with torch.random.fork_rng(devices=[]):
+                rows.append(sweep_one(mt, seed=seed, timeout=timeout, diagnose=diagnose))
+            if progress is not None:
+                progress(i, len(types), rows[-1])
+    finally:
+        torch.set_num_threads(before)
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    family_counts = {family: {s: sum(r["status"] == s for r in rows if r["family"] == family) for s in STATUSES}
+                     for family in FAMILIES}
     return {
         "run_info": {"command": " ".join(["revffn", *argv]) if argv is not None else None, "seed": seed,
                      "batch": BATCH, "seq": SEQ, "tolerance": TOL, "timeout_s": timeout, "git_commit": _git("rev-parse",
                      "HEAD"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                      "wall_s": round(time.perf_counter() - t0, 1)},
         "meta_info": {"python": platform.python_version(), "torch": torch.__version__,
-                      "transformers": transformers.__version__, "torch_threads": torch_threads},
+                      "transformers": transformers.__version__, "torch_threads": THREADS},
         "counts": counts,
+        "family_counts": family_counts,
         "results": rows,
     }
