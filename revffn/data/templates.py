@@ -95,3 +95,24 @@ def chat_prompts(prompts: list[str], tokenizer, system: str | None = None) -> li
     """User `prompts` rendered as single-turn chats, ready for generation."""
     head = [{"role": "system", "content": system}] if system else []
     return [render_prompt([*head, {"role": "user", "content": p}], tokenizer) for p in prompts]
+
+
+def loglikelihood_request(example: dict, tokenizer) -> tuple[str, str]:
+    """`(context, continuation)` scoring an example's last response as training renders it
+    (`render_segments`: for the shipped template, content + "<|end|>\\n"), given everything before it.
+
+    The context's trailing whitespace (the newline after the shipped "<|assistant|>" header) starts the
+    continuation: lm-eval's `loglikelihood` moves it there itself, so the pair is what it scores, with
+    nothing moved. The continuation's log-probability is then the response's summed token log-probs
+    (minus `evaluate`'s loss sum over it) plus that of the header's newline.
+
+    Raises:
+        UserError: the example has no response to score (a plain-text example).
+    """
+    if example.get("text") is not None or not example.get("messages"):
+        raise UserError(f"{example.get('source', '?')}: a loglikelihood request needs a chat example ending in "
+                        "an assistant turn, got plain text. Fix: use prompt/response examples.")
+    segments = render_segments(example, tokenizer)
+    before, response = "".join(text for text, _ in segments[:-1]), segments[-1][0]
+    context = before.rstrip()
+    return context, before[len(context):] + response

@@ -16,13 +16,14 @@ The ids 0/1/2 match pad/bos/eos of the tiny model presets.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from revffn.errors import UserError, one_line
 from revffn.models.hub import parse_hub_id, snapshot
-from revffn.models.loading import resolve_model_ref
+from revffn.models.loading import resolve_model_ref, stored_config
 from revffn.models.presets import TINY_PRESETS
 
 SHIPPED_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
@@ -57,7 +58,8 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
     try:
         # trust_remote_code=False: AutoTokenizer reads config.json, and a revffn final/ names its own config
         # class there (`models.hf_remote`); without it transformers would ask on stdin whether to run it
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=True, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(where, config=_nested_revffn_config(where), local_files_only=True,
+                                            trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError, ... for a directory it cannot read
         raise UserError(f"{key}: cannot load a tokenizer from {where!r}: {type(e).__name__}: {one_line(e)} "
                         "Fix: point it at a directory written by save_pretrained (tokenizer.json, "
@@ -68,6 +70,18 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _nested_revffn_config(where: str):
+    """The base config of a final/ written with a nested `revffn` config.json (before `models.hf_remote`
+    wrote it flat), else None. AutoTokenizer reads config.json first; on that `model_type` it falls back to
+    a bare config and warns "You are using a model of type `revffn` to instantiate a model of type ``"."""
+    from revffn.models.hf_remote import RevFFNConfig
+
+    config = Path(where) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == RevFFNConfig.model_type:
+        return stored_config(where)
+    return None
 
 
 def model_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokenizerFast:

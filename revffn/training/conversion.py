@@ -7,7 +7,7 @@ from it without converting again, so one heal serves many tasks.
 
 Everything is checked before the model is loaded (bad input: exit 2, nothing written), and DIR is
 written aside and renamed into place. DIR holds the converted model as transformers loads it with
-remote code (`models.hf_remote`: config.json with the base HF config inside, `model.safetensors`, the
+remote code (`models.hf_remote`: config.json, the base HF config with `auto_map`, `model.safetensors`, the
 two modeling files), the tokenizer and `revffn.json` (`format: revffn`, the calibration and heal reports, and
 the loss on the eval set of the base, of the plain `coordinate` conversion, after calibration and
 after the heal). The eval set defaults to `builtin:retention_test` for `builtin:base` (its held-out

@@ -1,10 +1,14 @@
 """A revffn `final/` loads with plain transformers (`trust_remote_code`) and generates what `revffn generate`
-does; a baseline's `final/` stays a plain HF directory; final/ written before the remote-code format loads."""
+does, through `generate()` and `pipeline`; its tokenizer loads without remote code; revffn loads it without
+a transformers warning; a baseline's `final/` stays a plain HF directory; final/ written before the
+remote-code format, or with the nested config.json, loads."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 from revffn.cli import _load_for_cli, main
 from revffn.data.templates import chat_prompts
 from revffn.methods.base import write_manifest
 from revffn.models.convert import convert
 from revffn.models.generation import generate_ids, stop_ids
-from revffn.models.hf_remote import AUTO_MAP, REMOTE_FILES, save_converted
+from revffn.models.hf_remote import AUTO_MAP, REMOTE_FILES, RevFFNConfig, save_converted
 from revffn.models.loading import hf_config, load
 from revffn.models.presets import tiny_model
 
@@ -46,10 +51,52 @@ print(json.dumps({"pretrained": isinstance(model, PreTrainedModel), "class": typ
 """
 
 
+# a fresh interpreter, stdin closed: a "[y/N]" prompt would read EOF (and show in the output), never hang
+CLIENT_SIDE = """
+import json, sys, torch, transformers
+from transformers import AutoTokenizer
+final, prompts, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(final)  # no trust_remote_code
+pipe = transformers.pipeline("text-generation", model=final, trust_remote_code=True, dtype=torch.float32)
+chats = [[{"role": "user", "content": p}] for p in prompts]
+print(json.dumps({"tokenizer": type(tok).__name__,
+                  "rendered": [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats],
+                  "texts": [pipe(c, max_new_tokens=new, do_sample=False)[0]["generated_text"][-1] for c in chats]}))
+"""
+
+
 def _train(tmp_path: Path, name: str, *extra: str) -> Path:
     run = tmp_path / name
     assert main(["train", f"output_dir={run}", *TRAIN, *extra]) == 0
     return run / "final"
+
+
+@pytest.fixture(scope="module")
+def rev_final(tmp_path_factory) -> Path:
+    """One revffn run's final/ for the tests of this module that only read it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(tmp_path_factory.mktemp("hf_remote"), "rev", *REVFFN)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _client_env(tmp_path: Path) -> dict[str, str]:
+    """A client's environment: offline, its own remote-code module cache, transformers' default verbosity."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRANSFORMERS_VERBOSITY", None)
+    return env
+
+
+def _nested_copy(final: Path, out: Path) -> Path:
+    """`final` as revffn wrote it before config.json was flat: a `revffn` config with the base inside."""
+    shutil.copytree(final, out)
+    nested = RevFFNConfig.from_pretrained(final).to_diff_dict()
+    assert nested["model_type"] == "revffn" and nested["text_config"]["model_type"] == "qwen2_moe"
+    (out / "config.json").write_text(json.dumps(nested))
+    return out
 
 
 def _cut(seq: list[int], stop: set[int]) -> list[int]:
@@ -58,12 +105,14 @@ def _cut(seq: list[int], stop: set[int]) -> list[int]:
 
 
 @pytest.mark.integration
-def test_revffn_final_loads_with_transformers_and_generates_as_revffn_generate(tmp_path, capsys, one_thread):
-    final = _train(tmp_path, "rev", *REVFFN)
+def test_revffn_final_loads_with_transformers_and_generates_as_revffn_generate(rev_final, tmp_path, capsys,
+                                                                              one_thread):
+    final = rev_final
     capsys.readouterr()
-    config = json.loads((final / "config.json").read_text())
-    assert config["model_type"] == "revffn" and config["auto_map"] == AUTO_MAP
-    assert config["text_config"]["model_type"] == "qwen2_moe"
+    config = json.loads((final / "config.json").read_text())  # flat: the base's keys, then the wrapper's
+    assert config["model_type"] == "qwen2_moe" and config["auto_map"] == AUTO_MAP
+    assert config["architectures"] == ["RevFFNModelForCausalLM"] and config["hidden_size"] == 64
+    assert config["stream_dtype"] == "float32" and "text_config" not in config
     assert all((final / name).is_file() for name in REMOTE_FILES)
 
     model, tok = _load_for_cli(str(final))  # what `revffn generate` decodes with
@@ -75,10 +124,8 @@ def test_revffn_final_loads_with_transformers_and_generates_as_revffn_generate(t
                  "--max-new-tokens", str(NEW_TOKENS)]) == 0
     printed = capsys.readouterr().out.splitlines()
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", HF_SIDE, str(final), json.dumps(prompts), str(NEW_TOKENS)],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=_client_env(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hf = json.loads(proc.stdout.strip().splitlines()[-1])
     assert hf["pretrained"] and hf["class"] == "RevFFNModelForCausalLM"
@@ -87,6 +134,66 @@ def test_revffn_final_loads_with_transformers_and_generates_as_revffn_generate(t
     assert theirs == ours, (theirs, ours)
     assert any(len(set(seq)) > 2 for seq in ours)  # not a degenerate repetition that would match anyway
     assert printed == [tok.decode(seq, skip_special_tokens=True) for seq in theirs]
+
+
+@pytest.mark.integration
+def test_tokenizer_loads_without_remote_code_and_pipeline_generates_as_revffn_generate(rev_final, tmp_path,
+                                                                                       one_thread):
+    """Before config.json was flat, `AutoTokenizer.from_pretrained(final)` stopped at "Do you wish to run the
+    custom code? [y/N]": transformers 5 reads config.json with AutoConfig first, and `revffn` is no
+    model_type it knows."""
+    model, tok = _load_for_cli(str(rev_final))
+    prompts = chat_prompts(PROMPTS, tok)
+    ours = generate_ids(model, [tok(t, add_special_tokens=False)["input_ids"] for t in prompts], NEW_TOKENS,
+                        stop_ids(tok), tok.pad_token_id)
+    proc = subprocess.run([sys.executable, "-c", CLIENT_SIDE, str(rev_final), json.dumps(PROMPTS), str(NEW_TOKENS)],
+                          capture_output=True, text=True, env=_client_env(tmp_path), timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for said in ("custom code", "[y/N]", "trust_remote_code", "to instantiate a model of type"):
+        assert said not in proc.stdout + proc.stderr, (said, proc.stdout[-2000:], proc.stderr[-2000:])
+    client = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert client["tokenizer"] == type(tok).__name__ and client["rendered"] == prompts  # the same chat template
+    assert [m["role"] for m in client["texts"]] == ["assistant"] * len(PROMPTS)
+    assert [m["content"] for m in client["texts"]] == [tok.decode(seq, skip_special_tokens=True) for seq in ours]
+    assert all(m["content"].strip() for m in client["texts"])  # it generated text
+
+
+def test_revffn_loads_its_final_without_transformers_warnings(rev_final, tmp_path, monkeypatch, one_thread):
+    """`revffn eval` / `revffn generate` load a final/ (flat config.json, and nested as written before) without
+    "You are using a model of type `revffn` to instantiate a model of type ``": AutoTokenizer, with
+    trust_remote_code=False, fell back to a bare config on the nested one."""
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    root, verbosity = hf_logging.get_logger("transformers"), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    root.addHandler(handler)
+    try:
+        for final in (rev_final, _nested_copy(rev_final, tmp_path / "nested")):
+            model, tok = _load_for_cli(str(final))
+            assert type(model).__name__ == "RevFFNForCausalLM" and tok.eos_token == "<|end|>"
+        logging.getLogger("transformers").warning("the capture works")  # transformers' own logger
+    finally:
+        root.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    assert [r.getMessage() for r in records] == ["the capture works"]
+
+
+def test_flat_and_nested_config_json_read_the_same(rev_final, tmp_path):
+    """RevFFNConfig (what transformers uses with trust_remote_code) reads the flat config.json as the nested
+    one written before; both give revffn's `hf_config` the base config."""
+    nested = _nested_copy(rev_final, tmp_path / "nested")
+    flat, old = RevFFNConfig.from_pretrained(rev_final), RevFFNConfig.from_pretrained(nested)
+    for c in (flat, old):
+        assert (c.model_type, c.stream_dtype, c.adapter_skip, c.auto_map) == ("revffn", "float32", True, AUTO_MAP)
+    assert flat.get_text_config().to_dict() == old.get_text_config().to_dict()
+    for d in (rev_final, nested):
+        assert (hf_config(str(d)).model_type, hf_config(str(d)).hidden_size) == ("qwen2_moe", 64)
+    flat.save_pretrained(tmp_path / "again")  # what the remote model's save_pretrained writes: flat again
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == \
+        json.loads((rev_final / "config.json").read_text())
 
 
 @pytest.mark.integration

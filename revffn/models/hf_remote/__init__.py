@@ -1,10 +1,14 @@
 """A revffn `final/` that transformers loads: `AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)`.
 
-`save_converted` writes a converted model as config.json (a `RevFFNConfig`: the base model's config
-as `text_config`, `auto_map` naming the two files below), model.safetensors (the converted weights,
-keys as `RevFFNForCausalLM` names them) and the two files themselves, `configuration_revffn.py` and
-`modeling_revffn.py`, copied from this package: transformers imports them from `final/`, and they
-import revffn. `revffn.load` reads the same directory without them (`models.loading.stored_config`).
+`save_converted` writes a converted model as config.json (a `RevFFNConfig`, written flat: the base
+model's config with its own `model_type`, so `AutoTokenizer.from_pretrained(final)` needs no remote
+code; `architectures`, `auto_map` naming the two files below, `stream_dtype`, `adapter_skip`),
+model.safetensors (the converted weights, keys as `RevFFNForCausalLM` names them) and the two files
+themselves, `configuration_revffn.py` and `modeling_revffn.py`, copied from this package: transformers
+imports them from `final/`, and they import revffn. `revffn.load` reads the same directory without
+them (`models.loading.stored_config`: the flat config.json is a plain base config to it). The model
+itself still needs `trust_remote_code=True`: without it transformers builds the plain base
+architecture, finds none of these weights and says so (every key MISSING in its load report).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_model
 
-from revffn.models.hf_remote.configuration_revffn import RevFFNConfig
+from revffn.models.hf_remote.configuration_revffn import OWN_KEYS, WRAPPER_KEYS, RevFFNConfig
 
 REMOTE_FILES = ("configuration_revffn.py", "modeling_revffn.py")
 AUTO_MAP = {"AutoConfig": "configuration_revffn.RevFFNConfig",
@@ -28,7 +32,9 @@ def dtype_name(dtype) -> str:
 def save_converted(model, out_dir: Path) -> None:
     """Write `model` (a `RevFFNForCausalLM`) into `out_dir` as transformers loads it with remote code."""
     dtype = dtype_name(next(model.parameters()).dtype)  # the weights' dtype, as save_pretrained records it
-    config = RevFFNConfig(text_config={**model.config.to_dict(), "dtype": dtype}, dtype=dtype,
+    # a base config read back from a flat config.json carries this model's keys: not the base's
+    text = {k: v for k, v in model.config.to_dict().items() if k not in OWN_KEYS + WRAPPER_KEYS}
+    config = RevFFNConfig(text_config={**text, "dtype": dtype}, dtype=dtype,
                           stream_dtype=dtype_name(model.stream_dtype), adapter_skip=model.adapter_skip,
                           architectures=["RevFFNModelForCausalLM"])
     config.auto_map = AUTO_MAP

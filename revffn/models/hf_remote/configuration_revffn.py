@@ -7,10 +7,23 @@ architecture with each decoder layer inside a reversible block (`revffn.models.c
 transformers' generation machinery (its KV cache, `get_text_config()`) reads the base's geometry
 from it. This file is copied verbatim into `final/` (`revffn.models.hf_remote.save_converted`) and
 `config.json` names it under `auto_map`.
+
+On disk config.json is flat: the base's own keys (its `model_type` included), then `architectures`,
+`auto_map` and RevFFN's `OWN_KEYS`. transformers 5 reads config.json with `AutoConfig` before it loads
+any tokenizer, so a `model_type` it does not know (`revffn`) plus an `auto_map` makes
+`AutoTokenizer.from_pretrained(final)` ask whether to run this file ("Do you wish to run the custom
+code? [y/N]"); a known one does not. With `trust_remote_code=True` this class is used, and
+`get_config_dict` folds the flat file into `text_config` (a nested config.json, written before, reads
+unchanged).
 """
+
+import json
 
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
+
+OWN_KEYS = ("stream_dtype", "adapter_skip")  # RevFFN's, beside the base's keys in config.json
+WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
 
 
 class RevFFNConfig(PreTrainedConfig):
@@ -27,3 +40,22 @@ class RevFFNConfig(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     stream_dtype: str = "float32"
     adapter_skip: bool = False
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """config.json as this class's fields: a flat file's base keys moved under `text_config`."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") in (None, cls.model_type):  # nested, as revffn wrote it before
+            return config_dict, kwargs
+        text = {k: v for k, v in config_dict.items() if k not in OWN_KEYS + WRAPPER_KEYS}
+        own = {k: config_dict[k] for k in (*OWN_KEYS, *WRAPPER_KEYS, "dtype") if k in config_dict}
+        return {**own, "model_type": cls.model_type, "text_config": text}, kwargs
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """The flat config.json (module docstring): every key of the base's config, then this model's."""
+        text = self.get_text_config()
+        base = text.to_diff_dict() if use_diff else text.to_dict()  # diff: what base.save_pretrained writes
+        flat = {k: v for k, v in base.items() if k not in OWN_KEYS + WRAPPER_KEYS}
+        flat.update({k: getattr(self, k) for k in WRAPPER_KEYS if getattr(self, k, None) is not None})
+        flat.update({k: getattr(self, k) for k in OWN_KEYS})
+        return json.dumps(self._encode_special_floats(flat), indent=2, sort_keys=True) + "\n"
