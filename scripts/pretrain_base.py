@@ -49,8 +49,12 @@ TRAIN = {  # keys of the training config (see README 'Config keys')
 }
 
 
+# docs/base.md from this heading on (the SmolLM2 figures) is not generated here; write_docs keeps it.
+KEPT_SECTION = "## SmolLM2-135M-Instruct (builtin:smollm2)"
+
+
 def write_docs(info: dict, metrics_file: Path, docs: Path) -> None:
-    """docs/base.md: how the base was made, its held-out loss and its training curve."""
+    """docs/base.md: how the base was made, its held-out loss and its training curve (keeps `KEPT_SECTION`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,6 +75,8 @@ def write_docs(info: dict, metrics_file: Path, docs: Path) -> None:
     fig.savefig(plot, dpi=110)
     plt.close(fig)
     cfg = ", ".join(f"{k}={v}" for k, v in MODEL_CONFIG.items())
+    old = docs.read_text() if docs.is_file() else ""
+    kept = old[old.index(KEPT_SECTION):] if KEPT_SECTION in old else ""  # written by hand, not by this script
     docs.write_text(f"""# The shipped base model (`builtin:base`)
 
 Regenerate: `{info['command']}` (rewrites `revffn/assets/base/` and `revffn/assets/data/retention_test.jsonl`).
@@ -94,7 +100,7 @@ Regenerate: `{info['command']}` (rewrites `revffn/assets/base/` and `revffn/asse
   {info['converted_heldout_loss']:.4f}. `tests/models/test_base.py` checks both within 1 %.
 
 ![pretraining loss](base_pretrain.png)
-""")
+""" + ("\n" + kept if kept else ""))
 
 
 def main() -> None:

@@ -1,10 +1,14 @@
 """`revffn eval`: loss, perplexity and exact-match accuracy of a model on a data file.
 
-Exact match compares the greedy generation with the example's reference answer (its final
-assistant message) after collapsing whitespace. When the reference ends with an `Answer: X` line
-(mini-GSM), the final answers are compared instead, as GSM8K scoring does.
+Exact match (`match="exact"`, the default) compares the greedy generation with the example's reference
+answer (its final assistant message) after collapsing whitespace. When the reference ends with an
+`Answer: X` line (mini-GSM), the final answers are compared instead, as GSM8K scoring does.
+`match="contains"` counts a generation as correct when it contains the reference, both
+whitespace-collapsed and lower-cased: "The capital of France is Paris." answers "Paris" (knowledge
+probes such as `builtin:smollm2_probes`, whose answers come in a sentence).
 
     revffn eval runs/quickstart/final --data builtin:quickstart_test --json
+    revffn eval builtin:smollm2 --data builtin:smollm2_probes --match contains
 """
 
 from __future__ import annotations
@@ -16,13 +20,24 @@ import re
 import torch
 
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
+MATCHES = ("exact", "contains")  # `revffn eval --match`
 
 
 def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def is_match(prediction: str, reference: str) -> bool:
+def is_match(prediction: str, reference: str, match: str = "exact") -> bool:
+    """Whether `prediction` answers `reference` under `match` ("exact" or "contains"; see the module doc).
+
+    Raises:
+        ValueError: `match` is not one of `MATCHES`.
+    """
+    if match not in MATCHES:
+        raise ValueError(f"match: expected one of {', '.join(MATCHES)}, got {match!r}")
+    if match == "contains":
+        ref, pred = normalize(reference).lower(), normalize(prediction).lower()
+        return ref in pred if ref else not pred  # an empty reference is answered by an empty prediction only
     if normalize(prediction) == normalize(reference):
         return True
     ref = _ANSWER.search(reference)
@@ -50,12 +65,18 @@ def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast) ->
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, batch_size: int = 16,
-             max_new_tokens: int = 48, limit: int | None = None) -> dict:
-    """Teacher-forced loss/perplexity over all examples; exact match over the first `limit` with answers."""
+             max_new_tokens: int = 48, limit: int | None = None, match: str = "exact") -> dict:
+    """Teacher-forced loss/perplexity over all examples; accuracy over the first `limit` with answers.
+
+    `match` ("exact" or "contains", see `is_match`) decides when a greedy generation is correct; the
+    report's `exact_match` is the fraction correct under it and `match` names it.
+    """
     from revffn.data.collate import tokenize_dataset
     from revffn.data.templates import render_prompt
     from revffn.models.generation import generate_texts
 
+    if match not in MATCHES:  # before the loss pass, not after it
+        raise ValueError(f"match: expected one of {', '.join(MATCHES)}, got {match!r}")
     model.eval()
     device = next(model.parameters()).device
     data = tokenize_dataset(examples, tokenizer, max_seq_length, False, "data")
@@ -65,9 +86,9 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
     preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device) if scored else []
-    hits = [is_match(p, e["answer"]) for p, e in zip(preds, scored)]
+    hits = [is_match(p, e["answer"], match) for p, e in zip(preds, scored)]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
-            "n_scored": len(hits), "n_examples": len(examples),
+            "match": match, "n_scored": len(hits), "n_examples": len(examples),
             "samples": [{"prompt": e["messages"][-2]["content"], "reference": e["answer"], "prediction": p}
                         for e, p in list(zip(scored, preds))[:3]]}
 

@@ -2,15 +2,19 @@
 
 import json
 import re
+import sys
 from pathlib import Path
 
+import make_pydoc_text
 import pytest
 import tasks
 from corpus import ITEMS, python_doc_corpus
+from smollm2_probes import CANDIDATES
 
-from revffn.data.formats import BUILTIN_DIR
+from revffn.data.formats import BUILTIN_DIR, load_examples
 from revffn.data.tokenizer import SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
 from revffn.errors import UserError
+from revffn.training.evaluate import is_match
 
 
 def test_shipped_tokenizer(tok):
@@ -54,8 +58,10 @@ def _prompts(path: Path) -> set[str]:
 
 def test_builtin_files_are_regenerated_identically(tmp_path):
     written = tasks.write_builtin(tmp_path)
-    # retention_test.jsonl is the base's held-out pretraining text, written by scripts/pretrain_base.py
-    assert {p.name for p in written} == {p.name for p in BUILTIN_DIR.glob("*.jsonl")} - {"retention_test.jsonl"}
+    # written by other scripts: retention_test.jsonl (the base's held-out pretraining text) by
+    # pretrain_base.py, pydoc_text.jsonl by make_pydoc_text.py, smollm2_probes.jsonl by smollm2_probes.py
+    others = {"retention_test.jsonl", "pydoc_text.jsonl", "smollm2_probes.jsonl"}
+    assert {p.name for p in written} == {p.name for p in BUILTIN_DIR.glob("*.jsonl")} - others
     for path in written:
         assert path.read_bytes() == (BUILTIN_DIR / path.name).read_bytes(), path.name
     assert sum(p.stat().st_size for p in written) < 1_000_000
@@ -101,3 +107,31 @@ def test_python_doc_corpus():
     docs = python_doc_corpus(20_000)
     assert docs and sum(map(len, docs)) <= 20_000 and len(set(docs)) == len(docs)
     assert python_doc_corpus(20_000) == docs
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the reference manual's topics change between versions")
+def test_pydoc_text_is_regenerated_identically():
+    shipped = (BUILTIN_DIR / "pydoc_text.jsonl").read_text(encoding="utf-8")
+    assert shipped == make_pydoc_text.render(make_pydoc_text.pydoc_text())
+
+
+def test_pydoc_text_is_held_out_text():
+    docs = [json.loads(line) for line in (BUILTIN_DIR / "pydoc_text.jsonl").read_text().splitlines()]
+    assert len(docs) == make_pydoc_text.N_DOCS and all(d.keys() == {"text"} for d in docs)
+    texts = [d["text"] for d in docs]
+    assert len(set(texts)) == len(texts)
+    assert all(make_pydoc_text.MIN_CHARS <= len(t) <= make_pydoc_text.MAX_CHARS for t in texts)
+    retention = {json.loads(line)["text"] for line in (BUILTIN_DIR / "retention_test.jsonl").read_text().splitlines()}
+    assert not retention & set(texts)
+
+
+def test_smollm2_probes_are_short_questions_with_references():
+    probes = load_examples("builtin:smollm2_probes")
+    report = json.loads((Path(__file__).resolve().parents[2] / "docs" / "smollm2_probes.json").read_text())
+    kept = [(r["question"], r["reference"]) for r in report["candidates"] if r["kept"]]
+    assert [(p["messages"][0]["content"], p["answer"]) for p in probes] == kept
+    assert len(probes) == report["n_kept"] >= 40
+    # the report is of the script's current candidates (rerun scripts/smollm2_probes.py after editing them)
+    assert [(r["category"], r["question"], r["reference"]) for r in report["candidates"]] == list(CANDIDATES)
+    for row in report["candidates"]:
+        assert row["kept"] is is_match(row["answer"], row["reference"], "contains")

@@ -1,8 +1,10 @@
-"""Exact-match scoring (`revffn eval`, the study): whitespace-insensitive, GSM-style final answers."""
+"""Exact-match scoring (`revffn eval`, the study): whitespace-insensitive, GSM-style final answers; and
+`--match contains` (knowledge probes): the reference anywhere in the generation, case-insensitive."""
 
 import pytest
 
-from revffn.training.evaluate import is_match
+from revffn import cli
+from revffn.training.evaluate import MATCHES, evaluate, is_match
 
 
 @pytest.mark.parametrize("prediction, reference, expected", [
@@ -32,3 +34,42 @@ def test_gsm_references_compare_the_final_answer(prediction, expected):
 def test_answer_line_in_the_prediction_alone_is_not_enough():
     """Without an `Answer:` line in the reference the texts must match as a whole."""
     assert not is_match("blah\nAnswer: 7", "7")
+
+
+@pytest.mark.parametrize("prediction, reference, exact, contains", [
+    ("The capital of France is Paris.", "Paris", False, True),
+    ("paris", "Paris", False, True),  # case counts for exact only
+    ("It is  Paris,\n France", "paris, france", False, True),  # whitespace collapses on both sides
+    ("Paris", "Paris", True, True),
+    ("Lyon, not Pa ris", "Paris", False, False),
+    ("Par", "Paris", False, False),  # a prefix of the reference is not the reference
+    ("", "Paris", False, False),
+    ("3 + 4 = 7\nAnswer: 7", "3 + 4 = 7\nAnswer: 7", True, True),
+    ("I guess 4 + 3 = 7\nAnswer: 7", "3 + 4 = 7\nAnswer: 7", True, False),  # GSM answers: exact only
+    ("anything", "", False, False),  # an empty reference is not contained in everything
+    ("", "", True, True),
+])
+def test_contains_scores_the_reference_anywhere_in_the_prediction(prediction, reference, exact, contains):
+    assert is_match(prediction, reference) is exact
+    assert is_match(prediction, reference, "exact") is exact
+    assert is_match(prediction, reference, "contains") is contains
+
+
+def test_unknown_match_is_refused():
+    with pytest.raises(ValueError, match="match: expected one of exact, contains, got 'fuzzy'"):
+        is_match("a", "a", "fuzzy")
+    with pytest.raises(ValueError, match="'fuzzy'"):
+        evaluate(None, None, [], match="fuzzy")  # before any model work
+
+
+def test_cli_match_default_and_choices():
+    parse = cli.build_parser().parse_args
+    assert parse(["eval", "m", "--data", "d"]).match == "exact"
+    assert [parse(["eval", "m", "--data", "d", "--match", m]).match for m in MATCHES] == list(MATCHES)
+
+
+def test_cli_refuses_an_unknown_match(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", "builtin:base", "--data", "builtin:commas_test", "--match", "fuzzy"])
+    assert exit_info.value.code == 2
+    assert "--match: invalid choice: 'fuzzy'" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""Write `builtin:pydoc_text`: held-out English text for loss evaluation of a real pretrained model.
+
+    python scripts/make_pydoc_text.py          # rewrites revffn/assets/data/pydoc_text.jsonl (Python 3.11)
+    revffn eval builtin:smollm2 --data builtin:pydoc_text
+
+The text is the Python reference manual's help topics that ship with the interpreter
+(`pydoc_data.topics.topics`, the text `help("with")` prints), nothing downloaded. A web-trained model
+has seen the same manual as HTML pages, but not this plain-text rendering of it, cut at these
+boundaries. The topics, in name order, are cut at paragraph breaks into pieces of at most
+`MAX_CHARS` characters (`corpus.chunk_text`); `N_DOCS` of the distinct ones with at least `MIN_CHARS`, evenly
+spaced over the whole manual, become `{"text": ...}` records, the format of `builtin:retention_test`.
+About 900 characters is ~220 SmolLM2 tokens and ~330 tokens of the shipped tokenizer, under
+`revffn eval`'s default `--max-seq-length 512` for both; 64 documents keep a 135M model's loss pass
+around a minute on 2 CPU cores.
+
+Deterministic for a given Python version (the topics change between versions);
+`tests/scripts/test_assets.py` checks the shipped file on Python 3.11. Unlike for SmolLM2, this is
+not held-out text for `builtin:base`: its pretraining corpus holds the same topics in 600-character
+pieces (`corpus.pretraining_corpus`), so its figure here is no held-out loss (docs/base.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from corpus import chunk_text, python_reference_corpus
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "revffn" / "assets" / "data" / "pydoc_text.jsonl"
+N_DOCS = 64
+MAX_CHARS = 1000
+MIN_CHARS = 400  # shorter pieces are mostly headings and grammar snippets
+
+
+def pydoc_text(n_docs: int = N_DOCS, max_chars: int = MAX_CHARS) -> list[str]:
+    """`n_docs` pieces of the reference manual, evenly spaced over its pieces of `MIN_CHARS` to `max_chars`
+    characters in topic-name order."""
+    pieces = chunk_text(python_reference_corpus(), max_chars=max_chars)
+    pieces = [p for p in dict.fromkeys(pieces) if len(p) >= MIN_CHARS]  # distinct: some topics share paragraphs
+    if len(pieces) < n_docs:
+        raise ValueError(f"only {len(pieces)} pieces of {MIN_CHARS} to {max_chars} characters; asked for {n_docs}")
+    return [pieces[i * len(pieces) // n_docs] for i in range(n_docs)]
+
+
+def render(docs: list[str]) -> str:
+    """The JSONL text of the asset: one `{"text": ...}` per line, as `retention_test.jsonl`."""
+    return "".join(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output file (default: %(default)s)")
+    parser.add_argument("--n-docs", type=int, default=N_DOCS)
+    args = parser.parse_args()
+    docs = pydoc_text(args.n_docs)
+    Path(args.out).write_text(render(docs), encoding="utf-8")
+    print(f"wrote {args.out}: {len(docs)} documents, {sum(map(len, docs))} characters")
+
+
+if __name__ == "__main__":
+    main()
