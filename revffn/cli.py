@@ -8,8 +8,9 @@
     revffn check --model tiny-qwen2-moe --layers 4  reversible vs plain gradients
     revffn bench --model tiny-qwen2-moe --methods full,ckpt,revffn --out DIR   memory and speed per method
     revffn estimate --model qwen1.5-moe-a2.7b --method revffn --gpu-mem 80GB   analytic memory estimate per GPU
-    revffn archs [--json] [--out docs/architectures.md]  every HF MoE architecture: exact, refused or failing
+    revffn archs [--json] [--out docs/architectures.md]  every HF architecture, MoE and dense: exact, refused or failing
     revffn convert builtin:base --out DIR --heal-steps 400   convert once: calibrated, healed; train from DIR
+    revffn upcycle builtin:smollm2 --experts 4 --top-k 2 --out DIR   a dense model to an exactly equal MoE
 
 Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed, doctor found a problem),
 2 bad input, 3 training stalled (no step in stall_timeout_s; every thread's stack is in events.jsonl).
@@ -126,20 +127,20 @@ def cmd_study(args) -> int:
 
 
 def cmd_archs(args) -> int:
-    from revffn.models.tiny_any import moe_model_types
+    from revffn.models.tiny_any import model_families
     from revffn.reports.archs import run_archs
     from revffn.reports.render.archs import render_markdown, summary
 
-    known = moe_model_types()
+    known = model_families()
     types = [t.strip() for t in args.types.split(",") if t.strip()] if args.types else None
     unknown = [t for t in types or [] if t not in known]
     if unknown:
-        raise UserError(f"--types: {', '.join(unknown)} not among the MoE causal-LM model types of this transformers. "
-                        f"Fix: choose from {', '.join(known)}.")
+        raise UserError(f"--types: {', '.join(unknown)} not among the causal-LM model types of this transformers "
+                        f"(MoE or dense). Fix: choose from {', '.join(known)}.")
 
     def progress(i, n, row):
         if not args.json:
-            print(f"[{i}/{n}] {row['model_type']:<22} {row['status']}", file=sys.stderr, flush=True)
+            print(f"[{i}/{n}] {row['family']:<5} {row['model_type']:<24} {row['status']}", file=sys.stderr, flush=True)
 
     data = run_archs(types, timeout=args.timeout, argv=args.argv, progress=progress)
     if args.json_out:
@@ -195,6 +196,25 @@ def cmd_convert(args) -> int:
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
     print(json.dumps(manifest) if args.json else f"revffn convert: wrote {args.out}"
           + (f" (loss on {gap['data']}: {figures})" if gap.get("data") else ""))
+    return 0
+
+
+def cmd_upcycle(args) -> int:
+    from revffn.models.cache import staged_dir
+    from revffn.models.loading import check_model_ref
+    from revffn.models.upcycle import upcycle_into
+
+    check_model_ref(args.model, "MODEL")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise UserError(f"--out {args.out}: exists and is not empty. Fix: choose a new directory, or --overwrite to "
+                        "replace it.")
+    with staged_dir(out) as tmp:
+        manifest = upcycle_into(args.model, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
+    print(json.dumps(manifest) if args.json else
+          f"revffn upcycle: wrote {args.out} ({manifest['arch']}, {manifest['experts']} experts, top-"
+          f"{manifest['top_k']}, {manifest['parameters'] / 1e6:.1f} M parameters; max |Δlogit| against the dense "
+          f"model {manifest['max_abs_dlogit']:.2e}, fp32)")
     return 0
 
 
@@ -263,14 +283,19 @@ def cmd_eval(args) -> int:
 
     model, tok = _load_for_cli(args.model_dir)
     examples = load_examples(args.data, "--data")
-    report = evaluate(model, tok, examples, args.max_seq_length, args.batch_size, args.max_new_tokens, args.limit)
+    report = evaluate(model, tok, examples, args.max_seq_length, args.batch_size, args.max_new_tokens, args.limit,
+                      args.match)
     report["model"], report["data"] = args.model_dir, args.data
+    if args.loglikelihoods:  # what lm-eval's `hf` model scores on the task `revffn.reports.lm_eval_task` writes
+        from revffn.reports.lm_eval_task import loglikelihoods, task_rows
+
+        report["loglikelihoods"] = loglikelihoods(model, tok, task_rows(examples, tok))
     if args.json:
         print(json.dumps(report))
     else:
         em = "n/a" if report["exact_match"] is None else f"{100 * report['exact_match']:.1f}%"
         print(f"{args.model_dir} on {args.data}: loss {report['loss']:.4f}, perplexity {report['perplexity']:.2f}, "
-              f"exact match {em} ({report['n_scored']} scored of {report['n_examples']})")
+              f"{report['match']} match {em} ({report['n_scored']} scored of {report['n_examples']})")
         for s in report["samples"]:
             print(f"  prompt: {s['prompt']!r}\n    reference:  {s['reference']!r}\n    prediction: {s['prediction']!r}")
     return 0
@@ -346,8 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print exactly one JSON object")
     s.set_defaults(fn=cmd_estimate)
 
-    a = sub.add_parser("archs", help="architecture sweep: every HF MoE causal LM, tiny, reversible vs plain gradients")
-    a.add_argument("--types", default=None, help="comma-separated model types (default: every MoE causal-LM type)")
+    a = sub.add_parser("archs", help="architecture sweep: every HF causal LM, MoE and dense, tiny, reversible vs "
+                       "plain gradients")
+    a.add_argument("--types", default=None, help="comma-separated model types, MoE or dense (default: every "
+                   "causal-LM type)")
     a.add_argument("--timeout", type=float, default=60.0, help="seconds per model type before it counts as a crash")
     a.add_argument("--out", default=None, metavar="FILE.md", help="write the Markdown table there (e.g. "
                    "docs/architectures.md)")
@@ -394,6 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print the written revffn.json as one JSON object")
     k.set_defaults(fn=cmd_convert)
 
+    u = sub.add_parser("upcycle", help="sparse upcycling: a dense llama/mistral/qwen2 model to an MoE that equals it "
+                       "at init (checked: max |Δlogit| in DIR/revffn.json)")
+    u.add_argument("model", help="a dense model: builtin:smollm2, a local HF directory, a GGUF file or a Hub ID")
+    u.add_argument("--experts", type=_positive, required=True, help="experts per layer (E >= 2)")
+    u.add_argument("--top-k", type=_positive, required=True, help="experts per token (1..E), renormalized")
+    u.add_argument("--arch", default="mixtral", choices=["mixtral", "qwen2_moe"], help="the MoE architecture "
+                   "(default: %(default)s)")
+    u.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
+    u.add_argument("--seed", type=int, default=0, help="router init seed")
+    u.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    u.add_argument("--json", action="store_true", help="print the written revffn.json as one JSON object")
+    u.set_defaults(fn=cmd_upcycle)
+
     t = sub.add_parser("train", help="fine-tune a model from a YAML config (no config: the quickstart)")
     t.add_argument("config", nargs="?", default=None, help="YAML config; omit for the built-in quickstart")
     t.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys reach method sections)")
@@ -416,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory, hf:NAME[:CONFIG][@SPLIT] or builtin:NAME")
     e.add_argument("--json", action="store_true")
     e.add_argument("--limit", type=int, default=None, help="score at most N examples by exact match")
+    e.add_argument("--loglikelihoods", action="store_true", help="also report each example's summed log-prob of "
+                   "its response given the prompt, as lm-eval scores it (README: Outputs of a run)")
+    e.add_argument("--match", choices=("exact", "contains"), default="exact",
+                   help="exact: the whitespace-collapsed generation equals the reference (or its `Answer:` line "
+                   "does); contains: it contains the reference, case-insensitive (default: %(default)s)")
     e.add_argument("--batch-size", type=_positive, default=16)
     e.add_argument("--max-new-tokens", type=_positive, default=48)
     e.add_argument("--max-seq-length", type=_positive, default=512)
@@ -424,7 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:  # transformers is imported already (revffn/__init__): set it
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # for child processes too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train", "validate") and len(argv) > 1 and "=" in argv[1]:

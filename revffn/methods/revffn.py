@@ -45,6 +45,9 @@ class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
         "adapter_warmup_steps": Key(int, 10, "stage 1: steps that train only the projection adapters", min=0),
+        "adapter_warmup_ratio": Key((float, type(None)), None, "stage 1 as a fraction of max_steps (at least 1 step, "
+                                    "at most max_steps - 1), instead of adapter_warmup_steps; null: the steps",
+                                    min=0.0, max=1.0),
         "freeze_router": Key(bool, True, "stage 2: keep the MoE routers frozen"),
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
@@ -85,9 +88,21 @@ class RevFFNMethod(Method):
         "distill-1": {"distill_coef": 1.0},
     }
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.opts["adapter_warmup_steps"] = self.warmup_steps(self.opts, cfg.max_steps)
+
+    @staticmethod
+    def warmup_steps(opts: dict, max_steps: int) -> int:
+        """Stage 1's length: `adapter_warmup_steps`, or `adapter_warmup_ratio` of max_steps when set."""
+        if opts.get("adapter_warmup_ratio") is None:
+            return opts["adapter_warmup_steps"]
+        return min(max(1, round(opts["adapter_warmup_ratio"] * max_steps)), max_steps - 1)
+
     @classmethod
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
+        opts["adapter_warmup_steps"] = cls.warmup_steps(opts, cfg.max_steps)
         from revffn.models.loading import converted_adapter_skip, is_converted
 
         held = converted_adapter_skip(cfg.model) if is_converted(cfg.model) else opts["adapter_skip"]

@@ -5,8 +5,11 @@ A reference is one of (`model_kind`):
 - ``tiny``: a tiny preset (`tiny-qwen2-moe`, ...): a real HF config class, random init;
 - ``config``: a config-only geometry (`qwen1.5-moe-a2.7b`, ... in `models/geometries/`): a public
   model's config without weights (estimate, bench and check build it with random init);
-- ``shipped``: a model shipped in the package (`builtin:base`);
-- ``dir``: a local HF `save_pretrained` directory with config.json (a run's `final/` included);
+- ``shipped``: a model shipped in the package (`builtin:base`), or built once into revffn's cache from a
+  local package (`builtin:smollm2`, `builtin:smollm2-moe`: `models.cache`);
+- ``dir``: a local HF `save_pretrained` directory with config.json (a run's `final/` included), or a GGUF
+  file (`path/to/file.gguf`, or a directory holding one and no config.json), dequantized once into the
+  cache (`models.gguf`);
 - ``hub``: a Hugging Face Hub ID `ORG/NAME[@REVISION]` that is not a local directory: resolved to its
   snapshot in huggingface_hub's cache (`models.hub`), downloaded unless `HF_HUB_OFFLINE=1`.
 
@@ -21,6 +24,8 @@ from pathlib import Path
 import torch
 
 from revffn.errors import UserError, closest
+from revffn.models.cache import CACHED_MODELS, cached_model, gguf_model
+from revffn.models.gguf import gguf_file, several_gguf_error
 from revffn.models.hub import parse_hub_id, snapshot
 from revffn.models.presets import TINY_PRESETS, tiny_config, tiny_model
 
@@ -44,7 +49,8 @@ def config_presets() -> list[str]:
 
 
 def resolve_model_ref(model: str, key: str = "model", weights: bool = True) -> str:
-    """The directory a reference names: `builtin:base` -> the shipped base model; a Hub ID -> its snapshot
+    """The directory a reference names: `builtin:base` -> the shipped base model; `builtin:smollm2[-moe]` and
+    GGUF files -> their directory in revffn's cache (built on first use); a Hub ID -> its snapshot
     in the Hugging Face cache (`weights=False`: configs and tokenizer only), downloaded if missing unless
     offline; any other reference unchanged.
 
@@ -53,6 +59,10 @@ def resolve_model_ref(model: str, key: str = "model", weights: bool = True) -> s
     """
     if model in SHIPPED_MODELS:
         return str(SHIPPED_MODELS[model])
+    if model in CACHED_MODELS:
+        return str(cached_model(model, key))
+    if (gguf := gguf_file(model)) is not None:
+        return str(gguf_model(gguf, key))
     if Path(model).expanduser().is_dir() or parse_hub_id(model) is None:
         return model
     path = Path(snapshot(model, key, weights))
@@ -77,13 +87,17 @@ def model_kind(model: str, key: str = "model",
     Raises:
         UserError: naming `key`, when `model` is none of the kinds in `allow` (a malformed Hub ID included).
     """
-    kinds = {"tiny": list(TINY_PRESETS), "config": config_presets(), "shipped": list(SHIPPED_MODELS)}
+    kinds = {"tiny": list(TINY_PRESETS), "config": config_presets(), "shipped": [*SHIPPED_MODELS, *CACHED_MODELS]}
     names = [n for kind in allow if kind not in ("dir", "hub") for n in kinds[kind]]
     for kind in ("tiny", "config", "shipped"):
         if model in kinds[kind] and kind in allow:
             return kind
     path = Path(model).expanduser()
+    if "dir" in allow and gguf_file(model) is not None:
+        return "dir"
     if "dir" in allow and path.is_dir():
+        if (several := several_gguf_error(path, key)) is not None:
+            raise several
         _check_model_dir(path, model, key)
         return "dir"
     if "hub" in allow and parse_hub_id(model):
@@ -91,9 +105,10 @@ def model_kind(model: str, key: str = "model",
     where = ", a local HF model directory" if "dir" in allow else ""
     where += ", a Hugging Face Hub ID (ORG/NAME)" if "hub" in allow else ""
     if model.startswith("builtin:"):
-        others = ", ".join(n for n in names if n not in SHIPPED_MODELS)
-        raise UserError(f"{key}: unknown shipped model {model!r}.{closest(model, SHIPPED_MODELS)} Fix: use "
-                        f"{', '.join(SHIPPED_MODELS)}, or one of {others}{where}.")
+        shipped = [*SHIPPED_MODELS, *CACHED_MODELS]
+        others = ", ".join(n for n in names if n not in shipped)
+        raise UserError(f"{key}: unknown shipped model {model!r}.{closest(model, shipped)} Fix: use "
+                        f"{', '.join(shipped)}, or one of {others}{where}.")
     if "/" in model and "hub" in allow:  # a path that does not exist, or a malformed Hub ID
         raise UserError(f"{key}: {model!r} is neither a local directory nor a Hugging Face Hub ID (ORG/NAME or "
                         "ORG/NAME@REVISION; letters, digits, '-', '_', '.'). Fix: give an existing directory holding "
@@ -210,7 +225,18 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
-    return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+    stored = AutoConfig.from_pretrained(path, local_files_only=True).num_hidden_layers
+    if config.num_hidden_layers >= stored:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+    import logging
+
+    report = logging.getLogger("transformers.modeling_utils")  # its load report: the dropped layers are UNEXPECTED
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+    finally:
+        report.setLevel(level)
 
 
 def build_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | None = None,

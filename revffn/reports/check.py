@@ -8,7 +8,10 @@ passed, 1 over tolerance, 2 bad input.
 
 The gradient error is per parameter, relative, with its denominator floored at 1e-3 x the largest
 parameter-gradient norm (`grad_error`): a gradient that is zero up to rounding is not judged on
-its noise. `routing_record_bytes` counts the indices of every recorded choice (router top-k,
+its noise. With fp32 streams, an error above the tolerances but within `ROUNDING_TOL` (the
+reconstruction relative to the largest stream value, `stream_scale`) is rechecked with fp64 streams, which
+decide: a real model's large activations round by more than a tiny model's. `routing_record_bytes`
+counts the indices of every recorded choice (router top-k,
 indexer top-k, max ...), `rng_record_bytes` the RNG states.
 
     revffn check --model tiny-qwen2-moe --layers 4 --json
@@ -25,6 +28,10 @@ from revffn.memory.measure import saved_bytes_of_stack
 from revffn.models.convert import convert
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
+# fp32 streams of a real model: activations in the hundreds (SmolLM2's massive activations) round by more
+# than the tiny models' absolute tolerances. Up to ROUNDING_TOL the fp32 error passes when the same check
+# with fp64 streams is within TOL, as in `revffn archs`: the math is exact, the error is fp32 rounding.
+ROUNDING_TOL = {"max_rel_grad_error": 1e-3, "max_reconstruction_error": 1e-5}  # the latter relative to max |X|
 GRAD_FLOOR = 1e-3  # relative to the largest parameter-gradient norm; see grad_error
 
 
@@ -125,6 +132,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
     flips = conv.routing_flips()
 
     recon = max(max((a - b).abs().max().item() for a, b in zip(cached[i], rebuilt[i])) for i in cached)
+    scale = max(max(a.abs().max().item() for a in cached[i]) for i in cached)
     names = sorted(g_plain)
     rel, worst_param = grad_error(g_plain, g_rev)
     report = {
@@ -152,6 +160,13 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         passed = report["err_ratio_vs_fp32"] <= TOL["err_ratio_vs_fp32"]
     else:
         passed = rel <= TOL["max_rel_grad_error"] and recon <= TOL["max_reconstruction_error"]
+        rounding = (rel <= ROUNDING_TOL["max_rel_grad_error"]
+                    and recon <= ROUNDING_TOL["max_reconstruction_error"] * scale)
+        if not passed and rounding and stream_dtype == torch.float32:
+            exact = run_check(model, layers, dtype, batch, seq, seed, adapter_init, torch.float64, device, hidden)
+            report["fp64_streams"] = {k: exact[k] for k in ("max_reconstruction_error", "max_rel_grad_error")}
+            passed = exact["passed"]
+        report["stream_scale"] = scale
     report["passed"] = bool(passed and math.isfinite(loss_converted) and math.isfinite(loss_rev))
     return report
 
@@ -161,7 +176,7 @@ def format_report(r: dict) -> str:
              f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}"]
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
             "max_rel_grad_error", "worst_param", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
-            "saved_bytes_plain", "routing_record_bytes", "rng_record_bytes"]
+            "saved_bytes_plain", "routing_record_bytes", "rng_record_bytes", "stream_scale"]
     for k in keys:
         if k in r:
             v = r[k]
@@ -169,5 +184,10 @@ def format_report(r: dict) -> str:
             judged = (k == "err_ratio_vs_fp32") == (r["dtype"] == "bfloat16")
             tol = f"  (tolerance {TOL[k]:g})" if k in TOL and judged else ""
             lines.append(f"  {k:<26} {v:.4g}{tol}" if isinstance(v, float) else f"  {k:<26} {v}{tol}")
+    if "fp64_streams" in r:
+        f = r["fp64_streams"]
+        lines.append(f"  fp32 rounding: with fp64 streams, reconstruction {f['max_reconstruction_error']:.3g}, "
+                     f"rel. grad error {f['max_rel_grad_error']:.3g} (tolerances {TOL['max_reconstruction_error']:g}, "
+                     f"{TOL['max_rel_grad_error']:g})")
     lines.append("  PASSED" if r["passed"] else "  FAILED")
     return "\n".join(lines)

@@ -49,3 +49,26 @@ def test_a_top1_router_does_not_fail_the_check_but_a_real_error_does(tmp_path, m
     monkeypatch.setattr(check, "convert", convert_without_rng_replay)
     wrong = check.run_check(model=path, layers=2, seq=16)
     assert not wrong["passed"] and wrong["max_rel_grad_error"] > 1e-2, wrong["max_rel_grad_error"]
+
+
+def test_large_activations_are_judged_with_fp64_streams(tmp_path):
+    """A model whose streams reach ~1e4 (a real model's massive activations, scaled up) rounds in fp32 by more
+    than the absolute tolerance; fp64 streams show the math exact, and decide."""
+    import transformers
+
+    from revffn.reports.check import TOL, run_check
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(1e5)
+        for layer in m.model.layers:
+            layer.mlp.down_proj.weight.mul_(1e5)
+    m.save_pretrained(tmp_path / "big")
+    r = run_check(str(tmp_path / "big"), seq=64)
+    assert r["max_reconstruction_error"] > TOL["max_reconstruction_error"]  # fp32 rounding alone fails it
+    assert r["fp64_streams"]["max_reconstruction_error"] <= TOL["max_reconstruction_error"]
+    assert r["fp64_streams"]["max_rel_grad_error"] <= TOL["max_rel_grad_error"]
+    assert r["passed"]
