@@ -147,3 +147,14 @@ def test_empty_heal_data_exits_2_and_writes_nothing(tmp_path, capsys):
                  "data=builtin:quickstart_train", f"output_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "revffn.heal_data" in err and "Fix:" in err and not run.exists()
+
+
+@pytest.mark.parametrize("ratio,steps,expected", [(0.33, 60, 20), (0.33, 4, 1), (0.9, 4, 3), (0.0, 10, 1)])
+def test_adapter_warmup_ratio_sets_stage_1_and_leaves_a_stage_2(ratio, steps, expected):
+    cls = method_class("revffn")
+    assert cls.warmup_steps({"adapter_warmup_steps": 50, "adapter_warmup_ratio": ratio}, steps) == expected
+    assert cls.warmup_steps({"adapter_warmup_steps": 7, "adapter_warmup_ratio": None}, steps) == 7
+    cfg = load_config(None, ["model=tiny-qwen2-moe", "output_dir=/tmp/unused", f"max_steps={steps}",
+                             "revffn.adapter_warmup_steps=50", f"revffn.adapter_warmup_ratio={ratio}"])
+    cls.validate(cfg)  # adapter_warmup_steps=50 alone would leave no stage-2 step
+    assert cls(cfg).opts["adapter_warmup_steps"] == expected
