@@ -16,7 +16,6 @@ pretraining text); other models report no gap unless `eval_data` is given.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -133,13 +132,11 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
 
 
 def _write(model, tokenizer, out: Path, manifest: dict) -> None:
-    """The model directory, written aside and renamed into place."""
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_converted(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    save_generation_config(tmp, tokenizer)
-    write_manifest(tmp, **manifest)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    """The model directory, written aside and renamed into place (`models.cache.staged_dir`)."""
+    from revffn.models.cache import staged_dir
+
+    with staged_dir(out) as tmp:
+        save_converted(model, tmp)
+        tokenizer.save_pretrained(tmp)
+        save_generation_config(tmp, tokenizer)
+        write_manifest(tmp, **manifest)
