@@ -54,7 +54,7 @@ def cmd_check(args) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
-                       device=args.device, hidden=args.hidden)
+                       device=args.device, hidden=args.hidden, stream_width=args.stream_width)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 
@@ -190,7 +190,8 @@ def cmd_convert(args) -> int:
     spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
                        adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
-                       stream_dtype=args.stream_dtype, seed=args.seed, overwrite=args.overwrite)
+                       stream_dtype=args.stream_dtype, seed=args.seed, overwrite=args.overwrite,
+                       stream_width=args.stream_width)
     manifest = run_convert(spec)
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
     c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
+    c.add_argument("--stream-width", default="half", choices=["half", "full"], help="the reversible streams' width")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
@@ -411,8 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
     k.add_argument("--heal-hidden-coef", type=float, default=0.0, help="add this x the per-layer hidden-state MSE to "
                    "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")
-    k.add_argument("--no-adapter-skip", action="store_true", help="the paper's four adapters only: no d/2 x d/2 "
-                   "skip per branch (revffn.adapter_skip: false)")
+    k.add_argument("--no-adapter-skip", action="store_true", help="P_up / P_down only: no skip per branch "
+                   "(revffn.adapter_skip: false)")
+    k.add_argument("--stream-width", default="half", help="half (two d/2 streams, the paper's) | full (two d-wide "
+                   "streams; revffn.stream_width)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")

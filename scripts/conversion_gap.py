@@ -1,8 +1,15 @@
-"""The conversion-gap table of docs/conversion.md: what converting `builtin:base` to RevFFN costs on its
-held-out pretraining text (`builtin:retention_test`), per adapter init, calibration text and heal text.
+"""The conversion-gap tables of docs/conversion.md: what converting a model to RevFFN costs on held-out text,
+per stream width, adapter init, calibration text and heal text.
 
     python scripts/conversion_gap.py --out runs/conversion_gap --docs docs/conversion.md --jobs 2   # ~30 min, 2 cores
     python scripts/conversion_gap.py --out runs/gap-quick --quick                            # smoke: ~2 min
+    python scripts/conversion_gap.py --model builtin:smollm2 --out runs/gap-smollm2 --docs docs/conversion.md
+
+`builtin:base` (the default) is measured on its held-out pretraining text (`builtin:retention_test`); a real
+model (`builtin:smollm2`, `builtin:smollm2-moe`) on Python's reference manual (`builtin:pydoc_text`), with
+`self` and the rest of the manual (`builtin:pydoc_calibration`, disjoint from the evaluation text) as
+calibration and heal text, and half- against full-width streams (`--stream-width`). Each model's table sits
+between its own markers in the page.
 
 Every calibrated row is one `revffn convert` run in a fresh process (its revffn.json gives the losses, the
 wall times and the process's peak RSS). Text sources: `self` (sampled from the base: no data), general
@@ -43,8 +50,12 @@ def write_sources(out: Path, n_general: int = 3000, seed: int = 0) -> dict[str, 
     return {"self": "self", "general": str(general), "task": "builtin:commas_train", "mix": str(out / "mix.jsonl")}
 
 
-def plain_rows() -> list[dict]:
-    """base, and the uncalibrated inits (no data involved)."""
+REAL_EVAL, REAL_CALIBRATION = "builtin:pydoc_text", "builtin:pydoc_calibration"
+
+
+def plain_rows(model: str = "builtin:base", eval_data: str = "builtin:retention_test",
+               widths: tuple[str, ...] = ("half",)) -> list[dict]:
+    """base, and the uncalibrated inits (no data involved), at each stream width."""
     import torch
 
     from revffn.data.tokenizer import load_tokenizer
@@ -53,21 +64,26 @@ def plain_rows() -> list[dict]:
     from revffn.models.loading import load_hf, resolve_model_ref
     from revffn.training.evaluate import retention_loss
 
-    tok = load_tokenizer(resolve_model_ref("builtin:base"))
-    rows = [{"name": "base (unconverted)", "loss": retention_loss(CausalLM(load_hf("builtin:base")).eval(), tok)}]
-    for init in ("coordinate", "zero"):
-        torch.manual_seed(0)
-        rows.append({"name": f"`{init}`", "loss": retention_loss(convert(load_hf("builtin:base"), adapter_init=init)
-                                                                  .eval(), tok)})
+    tok = load_tokenizer(resolve_model_ref(model))
+    rows = [{"name": "base (unconverted)", "loss": retention_loss(CausalLM(load_hf(model)).eval(), tok, eval_data)}]
+    for width in widths:
+        for init in ("coordinate", "zero") if width == "half" else ("coordinate",):
+            torch.manual_seed(0)
+            converted = convert(load_hf(model), adapter_init=init, stream_width=width).eval()
+            label = f"`{init}`" + ("" if widths == ("half",) else f" ({width} width)")
+            rows.append({"name": label, "loss": retention_loss(converted, tok, eval_data)})
     return rows
 
 
 def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, heal: str | None, steps: int,
-                threads: int, skip: bool = True) -> dict:
+                threads: int, skip: bool = True, model: str = "builtin:base", width: str = "half",
+                eval_data: str | None = None) -> dict:
     """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json."""
     target = out / "models" / "".join(c if c.isalnum() else "_" for c in name)
-    cmd = [sys.executable, "-m", "revffn", "convert", "builtin:base", "--out", str(target), "--overwrite",
-           "--calibration-data", src[calibration], "--calibration-tokens", str(tokens)]
+    cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite",
+           "--calibration-data", src[calibration], "--calibration-tokens", str(tokens), "--stream-width", width]
+    if eval_data:
+        cmd += ["--eval-data", eval_data]
     if heal:
         cmd += ["--heal-steps", str(steps), "--heal-data", src[heal]]
     if not skip:
@@ -75,14 +91,14 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     done = target / "revffn.json"
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
-            "heal_data": src[heal] if heal else "self", "adapter_skip": skip}
+            "heal_data": src[heal] if heal else "self", "adapter_skip": skip, "stream_width": width}
     if not (done.is_file() and all(json.loads(done.read_text())["convert"].get(k) == v for k, v in want.items())):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
         if proc.returncode != 0:
             return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
     m = json.loads(done.read_text())
     gap, cal, hl = m["conversion_gap"], m["calibration"], m["heal"]
-    return {"name": name, "status": "ok", "adapter_skip": skip, "calibration_data": calibration,
+    return {"name": name, "status": "ok", "adapter_skip": skip, "stream_width": width, "calibration_data": calibration,
             "calibration_tokens": cal["tokens"],
             "heal_data": heal, "heal_steps": steps if heal else 0,
             "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
@@ -120,9 +136,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on 2 cores)")
     parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
+    parser.add_argument("--model", default="builtin:base", help="builtin:base (default) or a real model: "
+                        "builtin:smollm2, builtin:smollm2-moe")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model != "builtin:base":
+        return real_model(args, out)
     src = write_sources(out)
     tokens, task_tokens, steps, long = TOKENS, TASK_TOKENS, args.heal_steps, args.long_steps
     if args.quick:
@@ -147,14 +167,47 @@ def main() -> None:
         rows += list(pool.map(run, plan))
     data = {"rows": rows, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
             "threads": args.threads, "sources": {k: v.replace(str(out), "OUT") for k, v in src.items()}}
-    (out / "conversion.json").write_text(json.dumps(data, indent=1) + "\n")
+    publish(data, out, args.docs, "conversion-gap", "")
+
+
+def real_model(args, out: Path) -> None:
+    """A real model's table: half- against full-width streams, `self` against real calibration text, more
+    calibration tokens, and the heal on the full-width default."""
+    src = {"self": "self", "pydoc": REAL_CALIBRATION}
+    tokens, steps = (1024, 4) if args.quick else (TOKENS, args.heal_steps)
+    plan = [("half", "self", tokens, None, 0), ("full", "self", tokens, None, 0), ("full", "pydoc", tokens, None, 0),
+            ("full", "pydoc", 2 * tokens, None, 0), ("full", "pydoc", 2 * tokens, "pydoc", steps)]
+
+    def run(item):
+        width, cal, n, heal, n_steps = item
+        name = f"calibrated ({width} width; {cal} {n // 1024}k" + (f"; heal {heal} x{n_steps}" if heal else "") + ")"
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        row = convert_row(name, out, src, cal, n, heal, n_steps, args.threads, True, args.model, width, REAL_EVAL)
+        print(f"  -> {json.dumps(row)}", file=sys.stderr, flush=True)
+        return row
+
+    rows = plain_rows(args.model, REAL_EVAL, ("half", "full"))
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        rows += list(pool.map(run, plan))
+    data = {"model": args.model, "rows": rows, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
+            "threads": args.threads, "eval_data": REAL_EVAL, "sources": src}
+    publish(data, out, args.docs, f"conversion-gap:{args.model.removeprefix('builtin:')}",
+            "_" + args.model.removeprefix("builtin:").replace("-", "_"))
+
+
+def publish(data: dict, out: Path, docs: str | None, marker: str, suffix: str) -> None:
+    """OUT/conversion{suffix}.json, the table on stdout and, with `docs`, between the page's `marker` lines (the
+    JSON beside the page)."""
+    (out / f"conversion{suffix}.json").write_text(json.dumps(data, indent=1) + "\n")
     table = render(data)
     print(table)
-    if args.docs:
-        page = Path(args.docs)
-        page.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")  # the table's data, beside it
+    if docs:
+        page = Path(docs)
+        (page.parent / f"conversion{suffix}.json").write_text(json.dumps(data, indent=1) + "\n")
         text = page.read_text()
-        start, end = "<!-- conversion-gap:start -->\n", "<!-- conversion-gap:end -->"
+        start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+        if start not in text:  # a new model's table: appended with its markers
+            text = text.rstrip("\n") + f"\n\n{start}{end}\n"
         head, rest = text.split(start, 1)
         page.write_text(head + start + table + end + rest.split(end, 1)[1])
 

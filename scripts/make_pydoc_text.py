@@ -1,7 +1,9 @@
-"""Write `builtin:pydoc_text`: held-out English text for loss evaluation of a real pretrained model.
+"""Write `builtin:pydoc_text`: held-out English text for loss evaluation of a real pretrained model, and
+`builtin:pydoc_calibration`: the rest of the same manual, real text to calibrate a conversion on.
 
-    python scripts/make_pydoc_text.py          # rewrites revffn/assets/data/pydoc_text.jsonl (Python 3.11)
+    python scripts/make_pydoc_text.py          # rewrites both in revffn/assets/data/ (Python 3.11)
     revffn eval builtin:smollm2 --data builtin:pydoc_text
+    revffn convert builtin:smollm2 --calibration-data builtin:pydoc_calibration --eval-data builtin:pydoc_text
 
 The text is the Python reference manual's help topics that ship with the interpreter
 (`pydoc_data.topics.topics`, the text `help("with")` prints), nothing downloaded. A web-trained model
@@ -17,6 +19,10 @@ Deterministic for a given Python version (the topics change between versions);
 `tests/scripts/test_assets.py` checks the shipped file on Python 3.11. Unlike for SmolLM2, this is
 not held-out text for `builtin:base`: its pretraining corpus holds the same topics in 600-character
 pieces (`corpus.pretraining_corpus`), so its figure here is no held-out loss (docs/base.md).
+
+`builtin:pydoc_calibration` is every other distinct piece (none of the evaluation's): disjoint text, but the
+same manual, so a conversion calibrated on it is calibrated in the evaluation's domain (docs/conversion.md
+reports it beside text sampled from the model itself).
 """
 
 from __future__ import annotations
@@ -27,20 +33,32 @@ from pathlib import Path
 
 from corpus import chunk_text, python_reference_corpus
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "revffn" / "assets" / "data" / "pydoc_text.jsonl"
+DATA_DIR = Path(__file__).resolve().parent.parent / "revffn" / "assets" / "data"
+DEFAULT_OUT = DATA_DIR / "pydoc_text.jsonl"
+CALIBRATION_OUT = DATA_DIR / "pydoc_calibration.jsonl"
 N_DOCS = 64
 MAX_CHARS = 1000
 MIN_CHARS = 400  # shorter pieces are mostly headings and grammar snippets
 
 
+def _pieces(max_chars: int) -> list[str]:
+    pieces = chunk_text(python_reference_corpus(), max_chars=max_chars)
+    return [p for p in dict.fromkeys(pieces) if len(p) >= MIN_CHARS]  # distinct: some topics share paragraphs
+
+
 def pydoc_text(n_docs: int = N_DOCS, max_chars: int = MAX_CHARS) -> list[str]:
     """`n_docs` pieces of the reference manual, evenly spaced over its pieces of `MIN_CHARS` to `max_chars`
     characters in topic-name order."""
-    pieces = chunk_text(python_reference_corpus(), max_chars=max_chars)
-    pieces = [p for p in dict.fromkeys(pieces) if len(p) >= MIN_CHARS]  # distinct: some topics share paragraphs
+    pieces = _pieces(max_chars)
     if len(pieces) < n_docs:
         raise ValueError(f"only {len(pieces)} pieces of {MIN_CHARS} to {max_chars} characters; asked for {n_docs}")
     return [pieces[i * len(pieces) // n_docs] for i in range(n_docs)]
+
+
+def pydoc_calibration(n_docs: int = N_DOCS, max_chars: int = MAX_CHARS) -> list[str]:
+    """Every piece `pydoc_text` does not take, in the same order."""
+    held_out = set(pydoc_text(n_docs, max_chars))
+    return [p for p in _pieces(max_chars) if p not in held_out]
 
 
 def render(docs: list[str]) -> str:
@@ -52,10 +70,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output file (default: %(default)s)")
     parser.add_argument("--n-docs", type=int, default=N_DOCS)
+    parser.add_argument("--calibration-out", default=str(CALIBRATION_OUT), help="default: %(default)s")
     args = parser.parse_args()
     docs = pydoc_text(args.n_docs)
     Path(args.out).write_text(render(docs), encoding="utf-8")
     print(f"wrote {args.out}: {len(docs)} documents, {sum(map(len, docs))} characters")
+    calibration = pydoc_calibration(args.n_docs)
+    Path(args.calibration_out).write_text(render(calibration), encoding="utf-8")
+    print(f"wrote {args.calibration_out}: {len(calibration)} documents, {sum(map(len, calibration))} characters")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ data, or that holds conversations rather than plain text, gets a warning.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -24,6 +25,27 @@ from revffn.models.heal import heal
 
 def log_line(line: str) -> None:
     print(f"revffn: {line}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, unit: str):
+    """A tqdm bar (with ETA) fed as progress(done, total), as `calibrate` and `heal` report: on stderr, and only
+    on a terminal (`disable=None`), so logs and captured runs get the summary lines alone."""
+    from tqdm.auto import tqdm
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def peak_rss_bytes() -> int:
@@ -52,7 +74,8 @@ def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "re
     device = next(model.parameters()).device
     data_s = time.perf_counter() - t0
     log(f"calibrating the adapters on {rows.numel()} tokens of {source} ({rows.shape[0]} rows)")
-    report = calibrate(model, row_batches(rows.to(device)), log=lambda s: log(s))
+    with progress_bar("calibrate", "pass") as progress:
+        report = calibrate(model, row_batches(rows.to(device)), log=None, progress=progress)
     worst = max(report["residuals"].items(), key=lambda kv: kv[1])
     log(f"calibrated in {report['wall_s']:.1f} s (+{data_s:.1f} s for the data); worst relative residual "
         f"{worst[1]:.3f} ({worst[0]})")
@@ -67,7 +90,9 @@ def heal_model(model, tokenizer, source: str, steps: int, batch_size: int = 8, l
     device = next(model.parameters()).device
     batches = ((ids.to(device), None) for ids, _ in heal_batches(source, tokenizer, model, batch_size, key, seed))
     log(f"healing the adapters: {steps} steps x {batch_size} x 128 tokens of {source}, lr {lr:g}")
-    report = heal(model, batches, steps, lr=lr, train_norms=train_norms, hidden_coef=hidden_coef, log=log)
+    with progress_bar("heal", "step") as progress:
+        report = heal(model, batches, steps, lr=lr, train_norms=train_norms, hidden_coef=hidden_coef, log=log,
+                      progress=progress)
     log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f}")
     return {**report, "data": source, "batch_size": batch_size, "peak_rss_bytes": peak_rss_bytes()}
 

@@ -30,7 +30,7 @@ from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
-from revffn.models.convert import ADAPTER_INITS, RevFFNForCausalLM, convert
+from revffn.models.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalLM, convert
 from revffn.models.hf_remote import save_converted
 from revffn.models.loss import distill_kl
 from revffn.models.spec import get_path
@@ -52,8 +52,11 @@ class RevFFNMethod(Method):
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
-        "adapter_skip": Key(bool, True, "add a d/2 x d/2 linear skip to each branch (F(X_2) += P_skip X_2, G alike): "
-                            "the residual path the split cuts; false: the paper's four adapters only"),
+        "adapter_skip": Key(bool, True, "add a linear skip to each branch (F(X_2) += P_skip X_2, G alike), as wide "
+                            "as a stream: the residual path the coupling cuts; false: P_up / P_down only"),
+        "stream_width": Key(str, "half", "width of each of the two reversible streams: half (d/2, the paper's; "
+                            "P_up and P_down per branch) or full (d; P_down and the skip d x d, no P_up)",
+                            choices=STREAM_WIDTHS),
         "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
                                 "builtin:NAME; general text, never the task data alone"),
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
@@ -68,8 +71,9 @@ class RevFFNMethod(Method):
     ESTIMATE_OPTIONS = {
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
-        "stream_dtype": Key(str, "float32", "dtype of the two d/2 residual streams"),
-        "adapter_skip": Key(bool, True, "the 2 d/2 x d/2 skip adapters per layer"),
+        "stream_dtype": Key(str, "float32", "dtype of the two residual streams"),
+        "adapter_skip": Key(bool, True, "the 2 skip adapters per layer"),
+        "stream_width": Key(str, "half", "half: two d/2 streams; full: two d-wide ones", choices=STREAM_WIDTHS),
         "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
         "recompute_chunk_tokens": Key(int, 0, "backward: the MoE branch recomputed by chunks of N tokens (0: whole)",
                                       min=0),
@@ -103,13 +107,16 @@ class RevFFNMethod(Method):
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
         opts["adapter_warmup_steps"] = cls.warmup_steps(opts, cfg.max_steps)
-        from revffn.models.loading import converted_adapter_skip, is_converted
+        from revffn.models.loading import converted_option, is_converted
 
-        held = converted_adapter_skip(cfg.model) if is_converted(cfg.model) else opts["adapter_skip"]
-        if held != opts["adapter_skip"]:
-            raise UserError(f"revffn.adapter_skip={str(opts['adapter_skip']).lower()}: {cfg.model!r} was converted "
-                            f"{'with' if held else 'without'} the skip adapters, and a converted model is trained as "
-                            f"it is. Fix: revffn.adapter_skip={str(held).lower()}, or convert the base model again.")
+        if is_converted(cfg.model):  # trained as it is: its structure is what it was converted with
+            for name in ("adapter_skip", "stream_width"):
+                held, asked = converted_option(cfg.model, name), opts[name]
+                if held != asked:
+                    show = (lambda v: str(v).lower()) if name == "adapter_skip" else str
+                    raise UserError(f"revffn.{name}={show(asked)}: {cfg.model!r} was converted with "
+                                    f"{name}={show(held)}, and a converted model is trained as it is. Fix: "
+                                    f"revffn.{name}={show(held)}, or convert the base model again.")
         if opts["adapter_warmup_steps"] >= cfg.max_steps:
             raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} leaves no stage-2 step "
                             f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")
@@ -145,7 +152,8 @@ class RevFFNMethod(Method):
             hf_model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
-                        aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"])
+                        aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
+                        stream_width=self.opts["stream_width"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         if self.opts["adapter_init"] == "calibrated":
             from revffn.methods.conversion import calibrate_for_run
@@ -252,14 +260,15 @@ class RevFFNMethod(Method):
     @classmethod
     def estimate_options(cls, section: dict) -> dict:
         return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"],
-                "adapter_skip": section["adapter_skip"], "distill_coef": section["distill_coef"],
+                "adapter_skip": section["adapter_skip"], "stream_width": section["stream_width"],
+                "distill_coef": section["distill_coef"],
                 "recompute_chunk_tokens": section["recompute_chunk_tokens"]}
 
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
                      adapter_skip: bool = True, distill_coef: float = 0.0,
-                     recompute_chunk_tokens: int = 0) -> MemoryTerms:
-        """Forward: two d/2 streams and the routing records (`compact_index_dtype` per token and
+                     recompute_chunk_tokens: int = 0, stream_width: str = "half") -> MemoryTerms:
+        """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records (`compact_index_dtype` per token and
         choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
         working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router).
 
@@ -272,18 +281,22 @@ class RevFFNMethod(Method):
         stream = dtype_bytes(stream_dtype, "stream_dtype")
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
-        adapters = counts["adapters_revffn"] + (counts["adapters_revffn_skip"] if adapter_skip else 0)
+        w = m.d // 2 if stream_width == "half" else m.d  # a stream's width
+        # half: 4 d/2 x d projections (2 d^2) and 2 d/2 x d/2 skips (d^2/2); full: 2 d x d P_down (2 d^2), 2 d x d skips
+        skips = counts["adapters_revffn_skip"] * (1 if stream_width == "half" else 4)
+        adapters = counts["adapters_revffn"] + (skips if adapter_skip else 0)
         trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
-        extra = N * (m.d // 2) * s + N * m.d * s  # per branch: P_up's input (a d/2 half), P_down's (d-wide)
+        # per branch: P_up's input (a d/2 half; full width has no P_up) and P_down's (d-wide)
+        extra = (N * (m.d // 2) * s if stream_width == "half" else 0) + N * m.d * s
         chunk = min(recompute_chunk_tokens, N) / N if recompute_chunk_tokens else 1.0
         working = max(ctx.layers[i] - ctx.ffn[i] + extra + int((ctx.ffn[i] + extra + aux * m.moe[i]) * chunk)
                       for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
             "router frozen" if freeze_router else "router trainable")
-        fit_in = m.d + (m.d // 2 if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
-        accumulators = 8 * (fit_in * fit_in + fit_in * (m.d // 2) + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
-        notes = (f"revffn: two {stream}-byte d/2 streams + routing records ({idx} byte/token/choice, "
+        fit_in = m.d + (w if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
+        accumulators = 8 * (fit_in * fit_in + fit_in * w + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
+        notes = (f"revffn: two {stream}-byte {'d/2' if stream_width == 'half' else 'd'} streams + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
                     if 0 < recompute_chunk_tokens < N else ""),
@@ -295,6 +308,8 @@ class RevFFNMethod(Method):
         if teacher:
             notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights ({teacher} params, "
                       "counted under weights) and its (B, T, d) final hidden states",)
-        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * (m.d // 2) * stream + records + (N * m.d * s if teacher else 0)
+        # full width: the final norm reads Y_2 itself (`merge`), counted in `outside` as its input when no cast copies it
+        shared = N * m.d * s if stream_width == "full" and stream == s else 0
+        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * w * stream - shared + records + (N * m.d * s if teacher else 0)
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters + teacher,
                            recompute_working_set=working, routing_records=records, notes=notes)

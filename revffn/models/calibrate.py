@@ -6,12 +6,17 @@ For layer l the teacher (the HF layer in its original wiring, `models.teacher`) 
     h_l (layer input),  A_l = Attn(norm(h_l)),  a_l = h_l + A_l,  M_l = MoE(norm(a_l)),  h_{l+1} = a_l + M_l
 
 and the converted block, on its own streams X_1, X_2 (the already calibrated layers below l), is
-fitted adapter by adapter (first half [:h], second half [h:], h = d/2):
+fitted adapter by adapter. Half-width streams (first half [:h], second half [h:], h = d/2):
 
     P_up_attn:   X_2                         -> h_l
     P_down_attn: attention output (of F)     -> a_l[:h] - X_1           (so Y_1 tracks a_l[:h])
     P_up_moe:    Y_1                         -> a_l
     P_down_moe:  MoE output (of G)           -> h_{l+1}[h:] - X_2       (so Y_2 tracks h_{l+1}[h:])
+
+Full-width streams have no P_up, and Y_1, Y_2 track the whole a_l and h_{l+1}:
+
+    P_down_attn: attention output (of F)     -> a_l - X_1
+    P_down_moe:  MoE output (of G)           -> h_{l+1} - X_2
 
 With the skip adapters (`revffn.adapter_skip`, the default) P_down_attn and P_skip_attn are one fit on
 [attention output, X_2], and P_down_moe and P_skip_moe one on [MoE output, Y_1]: the skip lets Y_1 pick
@@ -136,7 +141,7 @@ class _LayerInputs:
             return
         for input_ids, attention_mask in self.batches():
             h, position_ids, sctx = self._start(input_ids, attention_mask)
-            X_1, X_2 = h.to(self.model.stream_dtype).chunk(2, dim=-1)
+            X_1, X_2 = self.model.split(h)
             for prev in blocks[: self.layer]:  # keep=False: the prefix, teacher and converted, again
                 X_1, X_2 = prev(X_1, X_2, sctx)
                 h = teacher_layer(prev, h, sctx, position_ids)
@@ -171,9 +176,9 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
         with _capture_outputs({"attn": getattr(base, spec.attn), "mlp": getattr(base, spec.mlp)}) as t:
             h_next = teacher_layer(block, h, sctx, position_ids)
         a = h + t["attn"]
-        half = X_1.shape[-1]
+        a_target, h_target = model.stream_targets(a, h_next)  # what Y_1 and Y_2 track
         if one_pass:  # the teacher's attention output, post-attention state and MoE output as inputs
-            inputs_of = {"p_down_attn": t["attn"], "p_up_moe": a[..., :half], "p_down_moe": t["mlp"]}
+            inputs_of = {"p_down_attn": t["attn"], "p_up_moe": a_target, "p_down_moe": t["mlp"]}
         else:  # what the converted block really feeds each adapter, the ones fitted before it in place
             with _capture_inputs({n: getattr(block, n) for n in ("p_down_attn", "p_down_moe")}) as s:
                 Y_1, _ = block(X_1, X_2, sctx)
@@ -183,9 +188,9 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
         if block.p_skip_moe is not None:
             inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), inputs_of["p_up_moe"].double()],
                                                 dim=-1)
-        targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a[..., :half] - X_1),
+        targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a_target - X_1),
                    "p_up_moe": (inputs_of["p_up_moe"], a),
-                   "p_down_moe": (inputs_of["p_down_moe"], h_next[..., half:] - X_2)}
+                   "p_down_moe": (inputs_of["p_down_moe"], h_target - X_2)}
         rows = slice(None) if attention_mask is None else attention_mask.reshape(-1).bool()
         for name, fit in fits.items():
             X, Y = targets[name]
@@ -194,7 +199,7 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
 
 @torch.no_grad()
 def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequential", keep_states: bool = True,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
     """Fit every adapter of `model` (a RevFFNForCausalLM, in place) by streaming ridge least squares.
 
     Args:
@@ -204,6 +209,8 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
         keep_states: hold each batch's layer inputs on the host between passes (linear in depth, 2·d
             values per token) rather than recomputing them (memory flat in tokens, quadratic in depth).
         log: called with one line per fitted adapter (its relative residual).
+        progress: called as progress(passes done, passes in all) after every pass over the calibration set
+            (one per fit and one per advance to the next layer): a progress bar's feed.
     Returns:
         {"residuals": {"layers.L.p_up_attn": rel, ...}, "passes", "rows", "accumulator_bytes" (the largest
         set of fits held at once), "kept_bytes" (the host states, keep_states), "wall_s", ...}.
@@ -214,15 +221,18 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     model.eval()
     t0 = time.perf_counter()
     residuals, passes, acc_bytes, rows, kept_bytes = {}, 0, 0, 0, 0
-    groups = [ADAPTERS] if mode == "one_pass" else [(n,) for n in ADAPTERS]
     inputs = _LayerInputs(model, batches, keep_states)
-    for l, block in enumerate(model.blocks):
-        for group in groups:
+    plan = [[n for n in ADAPTERS if getattr(block, n) is not None] for block in model.blocks]  # full width: no P_up
+    total = sum(1 if mode == "one_pass" else len(fitted) for fitted in plan) + len(plan) - 1
+    for l, (block, fitted) in enumerate(zip(model.blocks, plan)):
+        for group in [fitted] if mode == "one_pass" else [(n,) for n in fitted]:
             sets = {n: _fitted(block, n) for n in group}
             fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
                                 getattr(block, n).weight.device) for n in group}
             _layer_pass(model, inputs, fits, mode == "one_pass")
             passes += 1
+            if progress is not None:
+                progress(passes + l, total)
             acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
             for name, fit in fits.items():
                 weight, rel = fit.solve(ridge)
@@ -235,6 +245,8 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
         if l + 1 < len(model.blocks):
             inputs.advance()
             kept_bytes = max(kept_bytes, inputs.nbytes())
+            if progress is not None:
+                progress(passes + l + 1, total)
     model.train(was_training)
     return {"residuals": residuals, "passes": passes, "rows": rows, "accumulator_bytes": acc_bytes,
             "kept_bytes": kept_bytes, "mode": mode, "keep_states": keep_states, "ridge": ridge,

@@ -45,15 +45,18 @@ from revffn.reversible.coupling import RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
+STREAM_WIDTHS = ("half", "full")
 ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe", "p_skip_attn", "p_skip_moe")
 LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 
 
 def init_adapters(block: HFRevBlock, how: str) -> None:
     """Initialise the projection adapters of a block (the skips, if the block has them, start at 0 for
-    every init, so F and G are the four-adapter ones until calibration or training moves them).
+    every init, so F and G are the adapters-only ones until calibration or training moves them).
 
-    - ``coordinate`` (default): keep each stream in the pretrained model's coordinates. X_2 holds
+    Half-width streams (`stream_width="half"`, the paper's):
+
+    - ``coordinate``: keep each stream in the pretrained model's coordinates. X_2 holds
       features d/2..d of the embedding, so P_up_attn writes X_2 back into those coordinates of the
       d-wide input (zeros elsewhere); F's output is added to X_1, so P_down_attn reads the first
       d/2 coordinates of the attention output, exactly the ones the pretrained residual would have
@@ -70,27 +73,39 @@ def init_adapters(block: HFRevBlock, how: str) -> None:
     - ``calibrated``: ``coordinate`` here; `revffn.models.calibrate.calibrate` then fits every
       adapter to the original model's hidden states on calibration text (it needs data, so the
       method or `revffn convert` runs it after conversion).
+
+    Full-width streams (`stream_width="full"`) have no P_up (the identity): ``coordinate`` and
+    ``calibrated`` start with P_down = I (Y_1 = X_1 + Attn(X_2), Y_2 = X_2 + MoE(Y_1)), ``zero`` with
+    P_down = 0, ``random`` as above.
     """
-    d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
+    p = block.p_down_attn.weight
     with torch.no_grad():
-        for p in block.adapters():
-            p.weight.zero_()
-        if how in ("coordinate", "zero", "calibrated"):
-            eye = torch.eye(h, dtype=block.p_up_attn.weight.dtype, device=block.p_up_attn.weight.device)
-            block.p_up_attn.weight[h:d] = eye  # X_2 -> its own coordinates d/2..d
-            block.p_up_moe.weight[:h] = eye  # Y_1 -> its own coordinates 0..d/2
-            if how != "zero":
-                block.p_down_attn.weight[:, :h] = eye  # attention output 0..d/2 -> X_1
-                block.p_down_moe.weight[:, h:d] = eye  # MoE output d/2..d -> X_2
-        elif how == "random":
-            for p in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
-                nn.init.kaiming_uniform_(p.weight, a=math.sqrt(5))
+        for m in block.adapters():
+            m.weight.zero_()
+        if how not in ADAPTER_INITS:
+            raise UserError(f"unknown adapter init {how!r}. Fix: revffn.adapter_init must be one of "
+                            f"{', '.join(ADAPTER_INITS)}.")
+        if how == "random":
+            for m in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
+                if m is not None:
+                    nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
             scale = 1.0 / math.sqrt(2 * max(block.num_layers, 1))
             block.p_down_attn.weight.mul_(scale)
             block.p_down_moe.weight.mul_(scale)
-        else:
-            raise UserError(f"unknown adapter init {how!r}. Fix: revffn.adapter_init must be one of "
-                            f"{', '.join(ADAPTER_INITS)}.")
+            return
+        if block.stream_width == "full":
+            if how != "zero":
+                eye = torch.eye(p.shape[0], dtype=p.dtype, device=p.device)
+                block.p_down_attn.weight.copy_(eye)
+                block.p_down_moe.weight.copy_(eye)
+            return
+        d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
+        eye = torch.eye(h, dtype=p.dtype, device=p.device)
+        block.p_up_attn.weight[h:d] = eye  # X_2 -> its own coordinates d/2..d
+        block.p_up_moe.weight[:h] = eye  # Y_1 -> its own coordinates 0..d/2
+        if how != "zero":
+            block.p_down_attn.weight[:, :h] = eye  # attention output 0..d/2 -> X_1
+            block.p_down_moe.weight[:, h:d] = eye  # MoE output d/2..d -> X_2
 
 
 class HFRevBlock(RevBlock):
@@ -100,7 +115,17 @@ class HFRevBlock(RevBlock):
         F(X_2) = P_down_attn( attn_branch( P_up_attn(X_2) ) )  [+ P_skip_attn(X_2)]
         G(Y_1) = P_down_moe( mlp_branch( P_up_moe(Y_1) ) )     [+ P_skip_moe(Y_1)]
 
-    The skips (`skip=True`; `revffn.adapter_skip`) are d/2 x d/2 linear maps, one per branch. F still
+    With full-width streams (`stream_width="full"`; `revffn.stream_width`) both streams are d wide,
+    there is no P_up (the branch reads its stream as it is), and P_down and the skips are d x d:
+
+        F(X_2) = P_down_attn( attn_branch(X_2) ) + P_skip_attn(X_2)
+        G(Y_1) = P_down_moe( mlp_branch(Y_1) )   + P_skip_moe(Y_1)
+
+    Each branch then sees every coordinate of the model's residual, massive-activation dimensions
+    included, which the half-width streams split between them (docs/conversion.md: on SmolLM2 the
+    half-width conversion loses +8 nats, the full-width one far less).
+
+    The skips (`skip=True`; `revffn.adapter_skip`) are (half) d/2 x d/2 linear maps, one per branch. F still
     depends on X_2 alone and G on Y_1 alone, so the block stays exactly invertible. They give back the
     residual path the split cuts: without them X_1 only ever receives attention outputs and X_2 only
     MoE outputs, so neither half can carry the other branch's update to the next layer (calibrated on
@@ -117,10 +142,16 @@ class HFRevBlock(RevBlock):
     g_token_wise = True
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
-                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = False):
+                 hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = False,
+                 stream_width: str = "half"):
         super().__init__()
-        if hidden_size % 2:
-            raise UserError(f"hidden_size={hidden_size} is odd; RevFFN splits it into two equal streams.")
+        if stream_width not in STREAM_WIDTHS:
+            raise UserError(f"unknown stream width {stream_width!r}. Fix: revffn.stream_width must be one of "
+                            f"{', '.join(STREAM_WIDTHS)}.")
+        if hidden_size % 2 and stream_width == "half":
+            raise UserError(f"hidden_size={hidden_size} is odd; half-width RevFFN splits it into two equal streams. "
+                            f"Fix: revffn.stream_width=full.")
+        self.stream_width = stream_width
         self.base_layer = base_layer
         self.spec = spec
         self.mixer = spec.mixer_name(base_layer) or spec.attn
@@ -131,15 +162,18 @@ class HFRevBlock(RevBlock):
         self.branch_dropout = float(config_value(config, spec.branch_dropout_key, 0.0))
         self.router_tap = tap
         ref = next(base_layer.parameters())
-        h, d = hidden_size // 2, hidden_size
+        d = hidden_size
+        h = d // 2 if stream_width == "half" else d  # a stream's width
         kw = dict(bias=False, device=ref.device, dtype=ref.dtype)
-        self.p_up_attn, self.p_down_attn = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
-        self.p_up_moe, self.p_down_moe = nn.Linear(h, d, **kw), nn.Linear(d, h, **kw)
+        up = (lambda: nn.Linear(h, d, **kw)) if stream_width == "half" else (lambda: None)  # full: the identity
+        self.p_up_attn, self.p_down_attn = up(), nn.Linear(d, h, **kw)
+        self.p_up_moe, self.p_down_moe = up(), nn.Linear(d, h, **kw)
         self.p_skip_attn = nn.Linear(h, h, **kw) if skip else None
         self.p_skip_moe = nn.Linear(h, h, **kw) if skip else None
 
     def adapters(self) -> list[nn.Linear]:
-        """The projection adapters this block adds to its HF layer (4, or 6 with the skips)."""
+        """The projection adapters this block adds to its HF layer (half width: 4, or 6 with the skips;
+        full width: 2, or 4)."""
         return [m for m in (self.p_up_attn, self.p_down_attn, self.p_up_moe, self.p_down_moe, self.p_skip_attn,
                             self.p_skip_moe) if m is not None]
 
@@ -151,8 +185,9 @@ class HFRevBlock(RevBlock):
                             f"{mask.ndim}-D one for `{LINEAR_MASK}` layers. Fix: train without padding (pack the "
                             f"sequences), or use a revffn version that builds the linear-attention mask.")
         with sctx.autocast():
-            x_in = X_2.to(self.p_up_attn.weight.dtype)
-            x = attn_branch(self.base_layer, self.spec, self.mixer, self.p_up_attn(x_in), sctx.position_embeddings,
+            x_in = X_2.to(self.p_down_attn.weight.dtype)
+            x_up = x_in if self.p_up_attn is None else self.p_up_attn(x_in)
+            x = attn_branch(self.base_layer, self.spec, self.mixer, x_up, sctx.position_embeddings,
                             mask, self.branch_scale, self.branch_dropout, sctx.cache)
             out = self.p_down_attn(x)
             if self.p_skip_attn is not None:
@@ -161,8 +196,9 @@ class HFRevBlock(RevBlock):
 
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         with sctx.autocast():
-            y_in = Y_1.to(self.p_up_moe.weight.dtype)
-            x = mlp_branch(self.base_layer, self.spec, self.p_up_moe(y_in), self.branch_scale, self.branch_dropout)
+            y_in = Y_1.to(self.p_down_moe.weight.dtype)
+            y_up = y_in if self.p_up_moe is None else self.p_up_moe(y_in)
+            x = mlp_branch(self.base_layer, self.spec, y_up, self.branch_scale, self.branch_dropout)
             out = self.p_down_moe(x)
             if self.p_skip_moe is not None:
                 out = out + self.p_skip_moe(y_in)
@@ -326,10 +362,10 @@ class RevFFNForCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
                  stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
-                 chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False):
+                 chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False, stream_width: str = "half"):
         super().__init__()
         self.hf, self.spec = hf_model, spec
-        self.adapter_skip = adapter_skip
+        self.adapter_skip, self.stream_width = adapter_skip, stream_width
         self.reversible = True
         self.stream_dtype = stream_dtype
         config = hf_model.config
@@ -354,7 +390,7 @@ class RevFFNForCausalLM(nn.Module):
             router = get_path(layer, f"{spec.mlp}.{spec.router}", None)
             tap = RouterTap(router, spec.router_logits_index) if isinstance(router, nn.Module) and n_exp else None
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config,
-                               skip=adapter_skip)
+                               skip=adapter_skip, stream_width=stream_width)
             block.position_key = config.layer_types[i] if self.rope.per_layer else None
             init_adapters(block, adapter_init)
             layers[i] = block
@@ -382,6 +418,27 @@ class RevFFNForCausalLM(nn.Module):
 
     def router_trainable(self) -> bool:
         return any(p.requires_grad for r in self.routers() for p in r.parameters())
+
+    # -- streams ----------------------------------------------------------------------------------
+    def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two streams (X_1, X_2) a d-wide hidden state starts: its two halves (half width), or
+        two copies of it (full width), in the stream dtype."""
+        h = h.to(self.stream_dtype)
+        return h.chunk(2, dim=-1) if self.stream_width == "half" else (h, h)
+
+    def merge(self, Y_1: torch.Tensor, Y_2: torch.Tensor) -> torch.Tensor:
+        """The d-wide hidden state the final norm reads: concat(Y_1, Y_2) (half width), or Y_2 (full
+        width: calibration fits Y_2 to the layer's output and Y_1 to its post-attention state)."""
+        return torch.cat([Y_1, Y_2], dim=-1) if self.stream_width == "half" else Y_2
+
+    def stream_targets(self, a: torch.Tensor, h_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a block's (Y_1, Y_2) track, given the teacher's post-attention state a_l and layer
+        output h_{l+1} (calibration, the heal's hidden-state loss): (a_l[:d/2], h_{l+1}[d/2:]) at half
+        width, (a_l, h_{l+1}) at full width."""
+        if self.stream_width == "full":
+            return a, h_next
+        half = a.shape[-1] // 2
+        return a[..., :half], h_next[..., half:]
 
     # -- forward ----------------------------------------------------------------------------------
     @property
@@ -444,13 +501,13 @@ class RevFFNForCausalLM(nn.Module):
         sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
         sctx.replay_rng = self.debug.rng_replay
         sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
-        X_1, X_2 = embeds.to(self.stream_dtype).chunk(2, dim=-1)
+        X_1, X_2 = self.split(embeds)
         with self.debug.stack_scope():
             Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
         self.last_stack_stats = sctx.stats
         norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
         with sctx.autocast():
-            hidden = norm(torch.cat([Y_1, Y_2], dim=-1).to(norm.weight.dtype))
+            hidden = norm(self.merge(Y_1, Y_2).to(norm.weight.dtype))
             out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None, cache=cache)
             if labels is not None:
                 loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,
@@ -479,7 +536,7 @@ class RevFFNForCausalLM(nn.Module):
 
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
             aux_loss_coef: float | None = None, reversible: bool = True,
-            adapter_skip: bool = False) -> RevFFNForCausalLM:
+            adapter_skip: bool = False, stream_width: str = "half") -> RevFFNForCausalLM:
     """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
 
     Args:
@@ -493,13 +550,17 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
             a `final/` written before the skips existed, whose copied modeling file calls `convert`
             without it, still builds its own structure): the four adapters of the paper only. Training
             (`revffn.adapter_skip`) and `revffn convert` turn it on by default.
+        stream_width: ``half`` (the paper's two d/2 streams) or ``full`` (two d-wide streams; `HFRevBlock`).
+            ``half`` here, for the same reason as `adapter_skip`.
     Raises:
         UserError: unsupported architecture or odd hidden size.
     """
     if adapter_init not in ADAPTER_INITS:
         raise UserError(f"unknown adapter init {adapter_init!r}. Fix: use one of {', '.join(ADAPTER_INITS)}.")
+    if stream_width not in STREAM_WIDTHS:
+        raise UserError(f"unknown stream_width {stream_width!r}. Fix: use one of {', '.join(STREAM_WIDTHS)}.")
     model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef,
-                              adapter_skip=adapter_skip)
+                              adapter_skip=adapter_skip, stream_width=stream_width)
     model.reversible = reversible
     model.train(hf_model.training)
     return model

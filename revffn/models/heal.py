@@ -61,7 +61,7 @@ def heal_lr(step: int, steps: int, lr: float) -> float:
 @torch.no_grad()
 def _teacher_states(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The teacher's final hidden states and, per layer, what calibration makes Y_1 and Y_2 track:
-    (a_l[:h], h_{l+1}[h:]), a_l = h_l + attention output (see `models.calibrate`)."""
+    `model.stream_targets(a_l, h_{l+1})`, a_l = h_l + attention output (see `models.calibrate`)."""
     h, position_ids, sctx = teacher_context(model, input_ids, attention_mask)
     states, seen = [], {}
     for block in model.blocks:
@@ -69,8 +69,7 @@ def _teacher_states(model, input_ids, attention_mask) -> tuple[torch.Tensor, lis
         handle = attn.register_forward_hook(lambda m, a, out: seen.__setitem__("attn", out[0]))
         h_next = teacher_layer(block, h, sctx, position_ids)
         handle.remove()
-        half = h.shape[-1] // 2
-        states.append(((h + seen["attn"])[..., :half], h_next[..., half:]))
+        states.append(model.stream_targets(h + seen["attn"], h_next))
         h = h_next
     return get_path(model.hf, model.spec.final_norm)(h), states
 
@@ -96,12 +95,15 @@ def _hidden_mse(outs, states) -> torch.Tensor:
 
 def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], steps: int, lr: float = 1e-3,
          train_norms: bool = False, hidden_coef: float = 0.0, max_grad_norm: float = 1.0,
-         log: Callable[[str], None] | None = None, log_every: int = 50) -> dict:
+         log: Callable[[str], None] | None = None, log_every: int = 50,
+         progress: Callable[[int, int], None] | None = None) -> dict:
     """Train the adapters (and the norms if `train_norms`) of `model` for `steps` AdamW steps of
     KL(teacher ‖ student) at `heal_lr`. `batches` yields (input_ids, attention_mask).
 
     `hidden_coef` > 0 adds that times the per-layer hidden-state MSE (relative, to the targets of the
     calibration); it needs every layer's graph, so the student then runs as the plain twin.
+
+    `progress(steps done, steps)` is called after every step (a progress bar's feed).
 
     Returns {"steps", "lr", "train_norms", "kl_first", "kl_last" (mean of the last 10 steps), "tokens", "wall_s"}.
     """
@@ -140,6 +142,8 @@ def heal(model, batches: Iterator[tuple[torch.Tensor, torch.Tensor | None]], ste
             optimizer.zero_grad(set_to_none=True)
             kls.append(loss.item())
             tokens += int(n)
+            if progress is not None:
+                progress(step + 1, steps)
             if log is not None and (step + 1) % log_every == 0:
                 log(f"heal step {step + 1}/{steps}: KL {sum(kls[-log_every:]) / len(kls[-log_every:]):.4f}")
     finally:

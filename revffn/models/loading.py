@@ -200,11 +200,15 @@ def is_converted(model: str, key: str = "model") -> bool:
     return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
 
 
-def converted_adapter_skip(model: str, key: str = "model") -> bool:
-    """Whether a converted directory's blocks have the skip adapters (its config.json's `adapter_skip`;
-    absent, in directories written before them: False)."""
+CONVERTED_DEFAULTS = {"adapter_skip": False, "stream_width": "half"}  # absent from directories written before them
+
+
+def converted_option(model: str, name: str, key: str = "model"):
+    """A structural option of a converted directory's blocks, from its config.json: `adapter_skip` (the
+    skip adapters) or `stream_width` (half | full); `CONVERTED_DEFAULTS` where the file predates it."""
     config = Path(resolve_model_ref(str(model), key, weights=False)).expanduser() / "config.json"
-    return bool(json.loads(config.read_text()).get("adapter_skip", False)) if config.is_file() else False
+    held = json.loads(config.read_text()).get(name) if config.is_file() else None
+    return CONVERTED_DEFAULTS[name] if held is None else held
 
 
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):
@@ -274,7 +278,8 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         hf = AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype)
         stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
         model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
-                        adapter_skip=converted_adapter_skip(str(root)))
+                        adapter_skip=bool(converted_option(str(root), "adapter_skip")),
+                        stream_width=converted_option(str(root), "stream_width"))
         load_model(model, str(root / "model.safetensors"))
     else:
         model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))

@@ -96,7 +96,8 @@ def _flat(grads: dict, names) -> torch.Tensor:
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
               seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
-              stream_dtype: torch.dtype = torch.float32, device: str = "cpu", hidden: int | None = None) -> dict:
+              stream_dtype: torch.dtype = torch.float32, device: str = "cpu", hidden: int | None = None,
+              stream_width: str = "half") -> dict:
     """Run the consistency check; returns the report dict (see module docstring).
 
     `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;
@@ -118,7 +119,8 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         loss_unconverted = hf32(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
 
     conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
-                   stream_dtype=stream_dtype, adapter_skip=True)  # the trained default: the skips' grads too
+                   stream_dtype=stream_dtype, adapter_skip=True,  # the trained default: the skips' grads too
+                   stream_width=stream_width)
     conv.train()
     conv.debug.track_routing_flips = True
     with torch.no_grad():
@@ -140,6 +142,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "device": str(dev),
         "dtype": "bfloat16" if low else "float32", "batch": batch, "seq": seq, "seed": seed,
         "adapter_init": adapter_init, "stream_dtype": str(stream_dtype).removeprefix("torch."),
+        "stream_width": stream_width,
         "loss_unconverted": loss_unconverted, "loss_converted": loss_converted,
         "conversion_gap": loss_converted - loss_unconverted,
         "loss_reversible": loss_rev, "loss_plain": loss_plain,
@@ -149,7 +152,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "routing_record_bytes": records["routing"], "rng_record_bytes": records["rng"],
     }
     if low:
-        ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init, adapter_skip=True)
+        ref = convert(copy.deepcopy(hf32), adapter_init=adapter_init, adapter_skip=True, stream_width=stream_width)
         ref.load_state_dict({k: v.float() for k, v in conv.state_dict().items()})
         ref.train()
         _, g_fp32, _, _ = _step(ref, ids, mask, labels, False, None, seed)
@@ -163,7 +166,8 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         rounding = (rel <= ROUNDING_TOL["max_rel_grad_error"]
                     and recon <= ROUNDING_TOL["max_reconstruction_error"] * scale)
         if not passed and rounding and stream_dtype == torch.float32:
-            exact = run_check(model, layers, dtype, batch, seq, seed, adapter_init, torch.float64, device, hidden)
+            exact = run_check(model, layers, dtype, batch, seq, seed, adapter_init, torch.float64, device, hidden,
+                              stream_width)
             report["fp64_streams"] = {k: exact[k] for k in ("max_reconstruction_error", "max_rel_grad_error")}
             passed = exact["passed"]
         report["stream_scale"] = scale

@@ -131,6 +131,7 @@ class TrainConfig:
 MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value those checkpoints were trained with
     "revffn.adapter_skip": False,
     "revffn.adapter_warmup_ratio": None,
+    "revffn.stream_width": "half",
 }
 
 

@@ -35,7 +35,7 @@ from revffn.methods.conversion import (
     peak_rss_bytes,
 )
 from revffn.models.causal_lm import CausalLM
-from revffn.models.convert import convert
+from revffn.models.convert import STREAM_WIDTHS, convert
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
@@ -58,6 +58,7 @@ class ConvertSpec:
     heal_norms: bool = False
     heal_hidden_coef: float = 0.0
     adapter_skip: bool = True
+    stream_width: str = "half"
     eval_data: str | None = None
     stream_dtype: str = "float32"
     seed: int = 0
@@ -70,6 +71,8 @@ def validate(spec: ConvertSpec):
     if is_converted(spec.model, "MODEL"):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
     parse_dtype(spec.stream_dtype, "--stream-dtype")
+    if spec.stream_width not in STREAM_WIDTHS:
+        raise UserError(f"--stream-width: unknown width {spec.stream_width!r}. Fix: one of {', '.join(STREAM_WIDTHS)}.")
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
@@ -108,7 +111,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
     model = convert(hf, adapter_init="calibrated", stream_dtype=parse_dtype(spec.stream_dtype),
-                    adapter_skip=spec.adapter_skip).eval()
+                    adapter_skip=spec.adapter_skip, stream_width=spec.stream_width).eval()
     if data:
         gap["coordinate"] = retention_loss(model, tokenizer, data)
     calibration = calibrate_model(model, tokenizer, spec.calibration_data, spec.calibration_tokens,

@@ -36,15 +36,17 @@ def test_ridge_fit_recovers_a_linear_map_and_reports_its_residual():
 
 @pytest.fixture(scope="module")
 def calibrated_base(tok):
-    """builtin:base calibrated on the same 4096 self-sampled tokens, without and with the skip adapters:
-    ({skip: (loss on 16 held-out documents, report)}, the coordinate loss)."""
+    """builtin:base calibrated on the same 4096 self-sampled tokens, without and with the skip adapters, and
+    with full-width streams (and skips): ({skip or "full": (loss on 16 held-out documents, report)}, the
+    coordinate loss)."""
     out, coordinate = {}, None
-    for skip in (False, True):
-        model = convert(load_hf("builtin:base"), adapter_skip=skip).eval()
-        coordinate = retention_loss(model, tok, limit=16)  # the skips start at 0: the same model
+    for skip, width in ((False, "half"), (True, "half"), (True, "full")):
+        model = convert(load_hf("builtin:base"), adapter_skip=skip, stream_width=width).eval()
+        if width == "half":
+            coordinate = retention_loss(model, tok, limit=16)  # the skips start at 0: the same model
         rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
         report = calibrate(model, row_batches(rows))
-        out[skip] = (retention_loss(model, tok, limit=16), report)
+        out[skip if width == "half" else "full"] = (retention_loss(model, tok, limit=16), report)
     return out, coordinate
 
 
@@ -71,6 +73,17 @@ def test_skip_adapters_close_most_of_what_is_left(calibrated_base):
         assert skip_report["residuals"][key] < 0.7 * plain_report["residuals"][key]
 
 
+def test_full_width_fits_two_adapters_a_layer_and_keeps_more_than_half_width(calibrated_base):
+    """Full-width streams: no P_up to fit, P_down_attn and P_down_moe (each jointly with its d x d skip)
+    per layer, and the held-out loss below the half-width fit's on the same calibration text."""
+    fits, _ = calibrated_base
+    (half, _), (full, report) = fits[True], fits["full"]
+    print({"half": half, "full": full})
+    assert sorted({k.split(".")[-1] for k in report["residuals"]}) == ["p_down_attn", "p_down_moe"]
+    assert len(report["residuals"]) == 2 * 4
+    assert full < half
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_calibration_memory_does_not_grow_with_tokens(skip):
     """The fp64 accumulators are O(d²), whatever the tokens; keep_states=False holds nothing else and
@@ -91,10 +104,10 @@ def test_calibration_memory_does_not_grow_with_tokens(skip):
     assert all(torch.equal(a, b) for a, b in zip(weights[16, True], weights[16, False]))
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_parity_holds_after_calibration(skip):
+@pytest.mark.parametrize("skip,width", [(False, "half"), (True, "half"), (True, "full")])
+def test_parity_holds_after_calibration(skip, width):
     """Calibrated adapters (and skips) are ordinary weights: reversible gradients still equal the plain twin's."""
-    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3), adapter_skip=skip)
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3), adapter_skip=skip, stream_width=width)
     calibrate(model, row_batches(sample_self(model, 8, 32, 2), 4))
     model.train()
     ids = torch.randint(3, 512, (2, 24))

@@ -121,6 +121,36 @@ def test_coordinate_init_keeps_what_the_pretrained_layers_know():
     assert loss["random"] > 0.9 * math.log(len(tok))  # noise: no better than guessing uniformly
 
 
+def test_full_width_streams_carry_the_whole_residual():
+    """`stream_width="full"`: both streams start as the embedding output, d wide; there is no P_up; with
+    `coordinate` (P_down = I, skips 0) layer 0's Y_1 is the pretrained post-attention state h_0 + Attn(h_0)
+    exactly, and the head reads Y_2. An unknown width is refused naming the key."""
+    from revffn.models.teacher import teacher_context
+
+    torch.manual_seed(0)
+    model = convert(tiny_model("tiny-mixtral", num_hidden_layers=2), adapter_skip=True, stream_width="full").eval()
+    d = model.config.hidden_size
+    block = model.blocks[0]
+    assert block.p_up_attn is None and block.p_up_moe is None
+    assert [tuple(m.weight.shape) for m in block.adapters()] == [(d, d)] * 4
+    ids = torch.randint(3, 500, (2, 12))
+    h, position_ids, sctx = teacher_context(model, ids)
+    attn = getattr(block.base_layer, model.spec.attn)
+    seen = {}
+    handle = attn.register_forward_hook(lambda m, a, out: seen.__setitem__("attn", out[0]))
+    with torch.no_grad():
+        block.base_layer(h, attention_mask=sctx.masks[block.mask_key], position_ids=position_ids,
+                         position_embeddings=sctx.position_embeddings)
+        handle.remove()
+        X_1, X_2 = model.split(h)
+        assert X_1.shape[-1] == X_2.shape[-1] == d
+        Y_1, Y_2 = block(X_1, X_2, sctx)
+    assert torch.allclose(Y_1, h + seen["attn"], atol=1e-6)
+    assert torch.equal(model.merge(Y_1, Y_2), Y_2)
+    with pytest.raises(UserError, match="stream_width"):
+        convert(tiny_model("tiny-mixtral", num_hidden_layers=1), stream_width="third")
+
+
 def test_module_hooks_fire_in_both_paths():
     """Sub-modules are called through module(...): hooks see forward and the recomputation."""
     model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).train()

@@ -248,3 +248,37 @@ def test_skip_adapters_round_trip_and_older_directories_load_without_them(tmp_pa
         assert all((b.p_skip_attn is not None) is skip for b in loaded.blocks)
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_full_width_round_trips_and_older_directories_load_half_width(tmp_path, one_thread):
+    """`stream_width: full` is written to config.json and rebuilt on load (revffn and transformers with remote
+    code give the saved model's logits); a directory without the key (written before it) builds half width."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 500, (2, 9))
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_skip=True, stream_width="full").eval()
+    with torch.no_grad():
+        for p in model.adapter_parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        want = model(ids).logits
+    out = tmp_path / "full"
+    out.mkdir()
+    save_converted(model, out)
+    write_manifest(out, format="revffn", method="revffn", stream_dtype="float32", adapter_init="coordinate")
+    config = json.loads((out / "config.json").read_text())
+    assert config["stream_width"] == "full"
+    loaded = load(str(out))
+    assert all(b.stream_width == "full" and b.p_up_attn is None for b in loaded.blocks)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+        assert torch.allclose(remote(ids).logits, want, atol=1e-6)
+    half = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2), adapter_skip=True).eval()
+    old = tmp_path / "old"
+    old.mkdir()
+    save_converted(half, old)
+    write_manifest(old, format="revffn", method="revffn", stream_dtype="float32", adapter_init="coordinate")
+    config = json.loads((old / "config.json").read_text())
+    del config["stream_width"]
+    (old / "config.json").write_text(json.dumps(config))
+    assert all(b.stream_width == "half" for b in load(str(old)).blocks)

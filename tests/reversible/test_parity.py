@@ -7,10 +7,12 @@ from revffn.reports.check import run_check
 from tests.conftest import GENERIC, REQUIRED
 
 
+@pytest.mark.parametrize("width", ["half", "full"])
 @pytest.mark.parametrize("model", REQUIRED + [GENERIC])
-def test_fp32_parity(model):
-    r = run_check(model, layers=4, dtype="float32", batch=2, seq=24)
-    print(model, {k: r[k] for k in ("max_rel_grad_error", "max_reconstruction_error", "conversion_gap")})
+def test_fp32_parity(model, width):
+    r = run_check(model, layers=4, dtype="float32", batch=2, seq=24, stream_width=width)
+    print(model, width, {k: r[k] for k in ("max_rel_grad_error", "max_reconstruction_error", "conversion_gap")})
+    assert r["stream_width"] == width
     assert r["max_rel_grad_error"] <= 1e-5
     assert r["max_reconstruction_error"] <= 1e-4
     assert r["passed"]

@@ -59,8 +59,9 @@ def _prompts(path: Path) -> set[str]:
 def test_builtin_files_are_regenerated_identically(tmp_path):
     written = tasks.write_builtin(tmp_path)
     # written by other scripts: retention_test.jsonl (the base's held-out pretraining text) by
-    # pretrain_base.py, pydoc_text.jsonl by make_pydoc_text.py, smollm2_probes.jsonl by smollm2_probes.py
-    others = {"retention_test.jsonl", "pydoc_text.jsonl", "smollm2_probes.jsonl"}
+    # pretrain_base.py, pydoc_text.jsonl and pydoc_calibration.jsonl by make_pydoc_text.py, smollm2_probes.jsonl by
+        # smollm2_probes.py
+    others = {"retention_test.jsonl", "pydoc_text.jsonl", "pydoc_calibration.jsonl", "smollm2_probes.jsonl"}
     assert {p.name for p in written} == {p.name for p in BUILTIN_DIR.glob("*.jsonl")} - others
     for path in written:
         assert path.read_bytes() == (BUILTIN_DIR / path.name).read_bytes(), path.name
@@ -113,6 +114,15 @@ def test_python_doc_corpus():
 def test_pydoc_text_is_regenerated_identically():
     shipped = (BUILTIN_DIR / "pydoc_text.jsonl").read_text(encoding="utf-8")
     assert shipped == make_pydoc_text.render(make_pydoc_text.pydoc_text())
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the reference manual's topics change between versions")
+def test_pydoc_calibration_is_regenerated_identically_and_disjoint_from_the_eval_text():
+    shipped = (BUILTIN_DIR / "pydoc_calibration.jsonl").read_text(encoding="utf-8")
+    assert shipped == make_pydoc_text.render(make_pydoc_text.pydoc_calibration())
+    calibration = {json.loads(line)["text"] for line in shipped.splitlines()}
+    held_out = {json.loads(line)["text"] for line in (BUILTIN_DIR / "pydoc_text.jsonl").read_text().splitlines()}
+    assert len(calibration) > 5 * len(held_out) and not calibration & held_out
 
 
 def test_pydoc_text_is_held_out_text():

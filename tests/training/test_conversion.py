@@ -68,7 +68,7 @@ def test_a_model_converted_without_skips_trains_only_as_it_is(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", f"model={out}", f"output_dir={run}", *TRAIN]) == 2
     err = capsys.readouterr().err
-    assert "revffn.adapter_skip=true" in err and "without the skip adapters" in err
+    assert "revffn.adapter_skip=true" in err and "adapter_skip=false" in err
     assert "Fix: revffn.adapter_skip=false" in err and not run.exists()
     assert main(["train", f"model={out}", f"output_dir={run}", *TRAIN, "revffn.adapter_skip=false"]) == 0
 

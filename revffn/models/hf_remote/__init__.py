@@ -2,7 +2,7 @@
 
 `save_converted` writes a converted model as config.json (a `RevFFNConfig`, written flat: the base
 model's config with its own `model_type`, so `AutoTokenizer.from_pretrained(final)` needs no remote
-code; `architectures`, `auto_map` naming the two files below, `stream_dtype`, `adapter_skip`),
+code; `architectures`, `auto_map` naming the two files below, `stream_dtype`, `adapter_skip`, `stream_width`),
 model.safetensors (the converted weights, keys as `RevFFNForCausalLM` names them) and the two files
 themselves, `configuration_revffn.py` and `modeling_revffn.py`, copied from this package: transformers
 imports them from `final/`, and they import revffn. `revffn.load` reads the same directory without
@@ -36,6 +36,7 @@ def save_converted(model, out_dir: Path) -> None:
     text = {k: v for k, v in model.config.to_dict().items() if k not in OWN_KEYS + WRAPPER_KEYS}
     config = RevFFNConfig(text_config={**text, "dtype": dtype}, dtype=dtype,
                           stream_dtype=dtype_name(model.stream_dtype), adapter_skip=model.adapter_skip,
+                          stream_width=model.stream_width,
                           architectures=["RevFFNModelForCausalLM"])
     config.auto_map = AUTO_MAP
     config.save_pretrained(out_dir)

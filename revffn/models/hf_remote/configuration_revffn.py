@@ -22,16 +22,18 @@ import json
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-OWN_KEYS = ("stream_dtype", "adapter_skip")  # RevFFN's, beside the base's keys in config.json
+OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width")  # RevFFN's, beside the base's keys in config.json
 WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
 
 
 class RevFFNConfig(PreTrainedConfig):
     """Attributes:
     text_config: the base HF model's config (a dict in config.json).
-    stream_dtype: dtype of the two half-width residual streams ("float32" or "bfloat16").
+    stream_dtype: dtype of the two residual streams ("float32" or "bfloat16").
     adapter_skip: the blocks have the d/2 x d/2 skip adapters (`revffn.adapter_skip`; absent in
         directories written before them: False).
+    stream_width: "half" (the paper's two d/2 streams) or "full" (two d-wide ones); absent in directories
+        written before it: "half".
     """
 
     model_type = "revffn"
@@ -40,6 +42,7 @@ class RevFFNConfig(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     stream_dtype: str = "float32"
     adapter_skip: bool = False
+    stream_width: str = "half"
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
