@@ -268,9 +268,10 @@ class RevFFNMethod(Method):
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
                      adapter_skip: bool = True, distill_coef: float = 0.0,
                      recompute_chunk_tokens: int = 0, stream_width: str = "half") -> MemoryTerms:
-        """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records (`compact_index_dtype` per token and
-        choice), plus the mask and what outside the layers saves. Backward: one layer's full-width
-        working set, plus the adapters' inputs (and the load-balancing surrogate on a trainable router).
+        """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
+        (`compact_index_dtype` per token and choice), plus the mask and what outside the layers saves.
+        Backward: one layer's full-width working set, plus the adapters' inputs (and the load-balancing
+        surrogate on a trainable router).
 
         The working set is attention's part (F: `ctx.layers` less `ctx.ffn`, P_up_attn's and
         P_down_attn's inputs) plus the MoE branch's (G: `ctx.ffn`, P_up_moe's and P_down_moe's
@@ -296,7 +297,8 @@ class RevFFNMethod(Method):
             "router frozen" if freeze_router else "router trainable")
         fit_in = m.d + (w if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
         accumulators = 8 * (fit_in * fit_in + fit_in * w + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
-        notes = (f"revffn: two {stream}-byte {'d/2' if stream_width == 'half' else 'd'} streams + routing records ({idx} byte/token/choice, "
+        width = "d/2" if stream_width == "half" else "d"
+        notes = (f"revffn: two {stream}-byte {width} streams + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
                     if 0 < recompute_chunk_tokens < N else ""),
@@ -308,7 +310,7 @@ class RevFFNMethod(Method):
         if teacher:
             notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights ({teacher} params, "
                       "counted under weights) and its (B, T, d) final hidden states",)
-        # full width: the final norm reads Y_2 itself (`merge`), counted in `outside` as its input when no cast copies it
+        # full width: the final norm reads Y_2 itself (`merge`), in `outside` as its input unless a cast copies it
         shared = N * m.d * s if stream_width == "full" and stream == s else 0
         act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * w * stream - shared + records + (N * m.d * s if teacher else 0)
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters + teacher,
