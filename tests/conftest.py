@@ -1,5 +1,12 @@
 import os
+from pathlib import Path
 
+# Torch threads of each test process and, through OMP_NUM_THREADS, of every process it starts (the CLI, bench and
+# study workers, torchrun ranks): the cores shared among the xdist workers (pyproject's addopts), at most 2. More
+# threads than cores would make every worker's CPU ops spin against each other's.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # `datasets` reads both at import; tests never download
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -11,10 +18,23 @@ REQUIRED = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe"]
 GENERIC = "tiny-glm4-moe"  # glm4_moe: no spec file, converts through the generic spec
 
 
+# Files whose module fixtures are costly (a study, a bench, a calibration, a trained run): each runs on one xdist
+# worker (`--dist loadgroup`), so its fixtures are built once; every other test goes to whichever worker is free.
+ONE_WORKER = {"test_architectures.py", "test_base.py", "test_bench.py", "test_calibrate.py", "test_corpus.py",
+              "test_distributed.py", "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_study.py",
+              "test_watch.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).stem))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(THREADS)
     yield
 
 

@@ -108,7 +108,8 @@ def test_recipe_trains_four_steps_and_final_reloads(wheel, config, tmp_path):
     # the recipe as written, but for its calibrated init and heal on sampled text (minutes on 2 cores: the
     # conversion itself is the next issue's work); the coordinate init and a task heal train the same loop
     revffn("train", str(CONFIGS / f"{config}.yaml"), "max_steps=4", f"output_dir={run}", "save_steps=0",
-           "eval_data=null", "revffn.adapter_init=coordinate", "revffn.heal_data=task", timeout=1200)
+           "eval_data=null", "revffn.adapter_init=coordinate", "revffn.heal_data=task",
+           "per_device_train_batch_size=2", "gradient_accumulation_steps=1", timeout=1200)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in rows if "step" in r][-1] == 4
     out = revffn("generate", str(run / "final"), "--prompt", "What is the capital of France?",

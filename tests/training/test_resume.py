@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import THREADS
 from tests.training._util import flip_byte
 
 pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
@@ -33,7 +34,7 @@ def _write(tmp: Path, name: str, **over) -> Path:
 
 def _train(cfg: Path, *over, fault: str | None = None) -> subprocess.CompletedProcess:
     """`revffn train CONFIG over...` in a child process; `fault`: a fault_run.py spec injected into it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}  # the same in every run a test compares
     launch = [str(FAULT_RUN), fault] if fault else ["-m", "revffn", "train"]
     return subprocess.run([sys.executable, *launch, str(cfg), *over], env=env,
                           capture_output=True, text=True, timeout=600)
