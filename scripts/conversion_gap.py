@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on 2 cores)")
     parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
+    parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
+                        "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + heal); default all")
     parser.add_argument("--model", default="builtin:base", help="builtin:base (default) or a real model: "
                         "builtin:smollm2, builtin:smollm2-moe")
     args = parser.parse_args()
@@ -176,7 +178,9 @@ def real_model(args, out: Path) -> None:
     src = {"self": "self", "pydoc": REAL_CALIBRATION}
     tokens, steps = (1024, 4) if args.quick else (TOKENS, args.heal_steps)
     plan = [("half", "self", tokens, None, 0), ("full", "self", tokens, None, 0), ("full", "pydoc", tokens, None, 0),
-            ("full", "pydoc", 2 * tokens, None, 0), ("full", "pydoc", 2 * tokens, "pydoc", steps)]
+            ("full", "pydoc", 2 * tokens, None, 0), ("full", "pydoc", tokens, "pydoc", steps)]
+    if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
+        plan = [plan[int(i)] for i in args.rows.split(",")]
 
     def run(item):
         width, cal, n, heal, n_steps = item

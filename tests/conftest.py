@@ -21,7 +21,7 @@ GENERIC = "tiny-glm4-moe"  # glm4_moe: no spec file, converts through the generi
 # Files whose module fixtures are costly (a study, a bench, a calibration, a trained run): each runs on one xdist
 # worker (`--dist loadgroup`), so its fixtures are built once; every other test goes to whichever worker is free.
 ONE_WORKER = {"test_architectures.py", "test_base.py", "test_bench.py", "test_calibrate.py", "test_corpus.py",
-              "test_distributed.py", "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_study.py",
+              "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_study.py",
               "test_watch.py"}
 
 

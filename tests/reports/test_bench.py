@@ -106,6 +106,7 @@ def test_out_of_memory_is_its_own_status(monkeypatch, error):
     assert set(row) == {"method", "status", "error", "wall_s"}  # no half-measured fields
 
 
+@pytest.mark.slow  # ~1 min; the bench's CPU path is tested above, the sweep over layers by -m slow
 def test_sweep_over_layers_on_a_config_only_preset(tmp_path):
     """The Qwen1.5-MoE-A2.7B geometry (random init), narrowed: the CPU path of scripts/gpu_bench.sh."""
     rc = cli.main(["bench", "--model", "qwen1.5-moe-a2.7b", "--hidden", "64", "--methods", "full,revffn",

@@ -155,7 +155,7 @@ def test_threads_travel_in_the_job_and_the_worker_applies_them(tmp_path, monkeyp
 
     monkeypatch.setattr(worker, "write_config", stop)
     before = torch.get_num_threads()
-    assert before != 1
+    torch.set_num_threads(2)  # (under xdist a test process has one thread already): the worker must change it
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.run_job(job, 0)

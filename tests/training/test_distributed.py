@@ -46,6 +46,7 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
                      "revffn.adapter_init=coordinate"], 4, 1),
 }
 OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods both strategies train (hift is refused): -m slow
+SLOW = {"full-aux"}  # in -m slow too (the suite's 15-minute budget): the load-balancing loss per micro-batch
 STRATEGIES = ("ddp", "fsdp")
 TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
 
@@ -87,7 +88,8 @@ def _assert_same_run(one: Path, other: Path, label: str) -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", [*METHODS, *(pytest.param(m, marks=pytest.mark.slow) for m in OTHERS)])
+@pytest.mark.parametrize("method", [*(pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in METHODS),
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in OTHERS)])
 def test_data_parallel_equals_one_process(tmp_path, method):
     options, per_device, accumulation = METHODS.get(method, ([f"method={method}", "router_aux_loss_coef=0"], 4, 1))
     loop.run(load_config(None, [*TINY, *options, f"per_device_train_batch_size={per_device}",
