@@ -46,7 +46,9 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
                      "revffn.adapter_init=coordinate"], 4, 1),
 }
 OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods both strategies train (hift is refused): -m slow
-SLOW = {"full-aux"}  # in -m slow too (the suite's 15-minute budget): the load-balancing loss per micro-batch
+# in -m slow too (the suite's 15-minute budget): the load-balancing loss per micro-batch, LoRA, the heal stage;
+# full and revffn stay in the default tier
+SLOW = {"full-aux", "lora", "revffn-heal"}
 STRATEGIES = ("ddp", "fsdp")
 TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
 
@@ -108,7 +110,7 @@ def test_data_parallel_equals_one_process(tmp_path, method):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("method", ["full", "revffn"])
+@pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.slow), "revffn"])  # full: -m slow
 def test_expert_without_tokens_on_one_rank(tmp_path, method, strategy):
     """Expert 0 of every layer gets no token on rank 1 (tests/training/starved_expert_run.py): the run
     neither hangs nor errors, and the ranks stay in step (rank 0 logged every step)."""
