@@ -137,7 +137,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
     parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
-                        "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + heal); default all")
+                        "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + heal); "
+                        "default all")
     parser.add_argument("--model", default="builtin:base", help="builtin:base (default) or a real model: "
                         "builtin:smollm2, builtin:smollm2-moe")
     args = parser.parse_args()
