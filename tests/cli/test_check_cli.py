@@ -21,6 +21,12 @@ def test_check_json_is_one_object():
     assert report["passed"] is True
 
 
+def test_check_full_width_reports_it_and_passes(capsys):
+    assert cli.main(["check", "--model", "tiny-mixtral", "--layers", "2", "--stream-width", "full", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stream_width"] == "full" and report["max_rel_grad_error"] <= 1e-5
+
+
 def test_check_human_output_prints_conversion_gap(capsys):
     assert cli.main(["check", "--model", "tiny-olmoe", "--layers", "2"]) == 0
     out = capsys.readouterr().out

@@ -107,3 +107,9 @@ def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"]) == 2
     assert "--heal-hidden-coef" in capsys.readouterr().err and not out.exists()
+
+
+def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--stream-width", "third"]) == 2
+    assert "--stream-width" in capsys.readouterr().err and not out.exists()
