@@ -20,11 +20,13 @@ GENERIC = "tiny-glm4-moe"  # glm4_moe: no spec file, converts through the generi
 
 # Files whose module fixtures are costly (a study, a bench, a calibration, a trained run): each runs on one xdist
 # worker (`--dist loadgroup`), so its fixtures are built once; every other test goes to whichever worker is free.
+# The real tier's file is one too: its dense reference eval is shared, and one worker builds the SmolLM2 caches.
 ONE_WORKER = {"test_architectures.py", "test_base.py", "test_bench.py", "test_calibrate.py", "test_corpus.py",
-              "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_study.py",
+              "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_smollm2.py", "test_study.py",
               "test_watch.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into each test's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).name in ONE_WORKER:

@@ -88,17 +88,24 @@ def test_check_passes_on_the_moe(wheel):
     assert report["passed"], report
 
 
-def test_the_gguf_file_is_a_model_reference_relative_and_absolute(wheel, docs, dense_loss, tmp_path):
-    """The GGUF itself (copied aside: a user's own file) gives builtin:smollm2's loss, by either path."""
+def test_the_gguf_file_is_a_model_reference_relative_and_absolute(wheel, docs, dense_loss, tmp_path, monkeypatch):
+    """The GGUF itself (copied aside: a user's own file) gives builtin:smollm2's loss; a path relative to the working
+    directory names the same dequantized entry (resolved in-process: the same directory the CLI then loads)."""
     import shutil
+
+    from revffn.models.loading import resolve_model_ref
 
     (tmp_path / "fx").mkdir()
     shutil.copy(wheel, tmp_path / "fx" / "model.gguf")
     env = {"REVFFN_CACHE": str(tmp_path / "cache")}  # its dequantized copy goes away with the test
     absolute = eval_loss(str(tmp_path / "fx" / "model.gguf"), docs, env=env)
-    relative = eval_loss("fx/model.gguf", docs, cwd=tmp_path, env=env)
-    assert len(list((tmp_path / "cache").glob("gguf/*/config.json"))) == 1
-    assert absolute == relative == pytest.approx(dense_loss, abs=1e-6)
+    entries = list((tmp_path / "cache").glob("gguf/*/config.json"))
+    assert len(entries) == 1
+    assert absolute == pytest.approx(dense_loss, abs=1e-6)
+    monkeypatch.setenv("REVFFN_CACHE", env["REVFFN_CACHE"])
+    monkeypatch.chdir(tmp_path)
+    assert Path(resolve_model_ref("fx/model.gguf")) == entries[0].parent
+    assert len(list((tmp_path / "cache").glob("gguf/*/config.json"))) == 1  # found, not built again
 
 
 # the MoE recipe (373.5 M parameters: ~2 min and 8 GB on 2 cores) is in the slow tier; the dense one runs the same loop
