@@ -1,5 +1,6 @@
-"""Calibrate and heal a converted model from a data source: what `revffn.adapter_init: calibrated`
-and `revffn convert` run (the maths is in `models.calibrate` and `models.heal`).
+"""Calibrate a converted model from a data source: what `revffn.adapter_init: calibrated` and
+`revffn convert` run (the maths is in `models.calibrate`; the heal is the revffn method's stage 1,
+`models.heal`, run by the training loop's step).
 
 A source is `self` (text sampled from the unconverted model: no data), a data file or a `builtin:`
 set. Task data alone is a measured failure (docs/conversion.md: fitted or healed on `commas_train`
@@ -16,11 +17,10 @@ import time
 
 import torch
 
-from revffn.data.calibration import SELF, calibration_rows, heal_batches, is_task_data, row_batches
+from revffn.data.calibration import SELF, calibration_rows, is_task_data, row_batches
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models.calibrate import calibrate
-from revffn.models.heal import heal
 
 
 def log_line(line: str) -> None:
@@ -81,20 +81,6 @@ def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "re
         f"{worst[1]:.3f} ({worst[0]})")
     return {**report, "data": source, "tokens": int(rows.numel()), "data_wall_s": round(data_s, 2),
             "peak_rss_bytes": peak_rss_bytes()}
-
-
-def heal_model(model, tokenizer, source: str, steps: int, batch_size: int = 8, lr: float = 1e-3,
-               train_norms: bool = False, key: str = "--heal-data", seed: int = 0, log=log_line,
-               hidden_coef: float = 0.0) -> dict:
-    """`steps` of KL self-distillation of the adapters on `source`; returns the heal report."""
-    device = next(model.parameters()).device
-    batches = ((ids.to(device), None) for ids, _ in heal_batches(source, tokenizer, model, batch_size, key, seed))
-    log(f"healing the adapters: {steps} steps x {batch_size} x 128 tokens of {source}, lr {lr:g}")
-    with progress_bar("heal", "step") as progress:
-        report = heal(model, batches, steps, lr=lr, train_norms=train_norms, hidden_coef=hidden_coef, log=log,
-                      progress=progress)
-    log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f}")
-    return {**report, "data": source, "batch_size": batch_size, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def calibrate_for_run(model, cfg, opts: dict) -> dict:

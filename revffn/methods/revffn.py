@@ -4,7 +4,10 @@ Stage 1 (`adapter_warmup_steps`), the heal: only the projection adapters P_up/P_
 P_skip, `adapter_skip`: see `models.convert.HFRevBlock`) train, the
 pretrained backbone is frozen, and the loss is KL(unconverted model ‖ converted model) on general
 text (`heal_data`, default `self`: text sampled from the base; no data needed). The teacher is the
-same frozen weights in their original wiring (`models.teacher`), so nothing is copied.
+same frozen weights in their original wiring (`models.teacher`), so nothing is copied; `heal_norms`
+trains the blocks' norms too, `heal_hidden_coef` adds the per-layer hidden-state loss (`models.heal`).
+A run whose stage 1 is all of it (adapter_warmup_steps = max_steps) is a heal: what `revffn convert
+--heal-steps` runs, through the same loop.
 `heal_data: task` is the old warm-up instead: cross-entropy on the task's batches (a measured
 failure for retention, docs/conversion.md). Stage 2: everything trains except the routers
 (`freeze_router: true`, for routing stability); `distill_coef` > 0 adds KL to the original model on
@@ -19,6 +22,7 @@ shrinks the one layer further: its MoE branch is recomputed in backward a chunk 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalLM, convert
+from revffn.models.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.models.hf_remote import save_converted
 from revffn.models.loss import distill_kl
 from revffn.models.spec import get_path
@@ -62,6 +67,11 @@ class RevFFNMethod(Method):
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
         "heal_data": Key(str, "self", "stage 1: text the adapters heal on by KL to the unconverted model: `self` "
                          "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data"),
+        "heal_norms": Key(bool, False, "stage 1: train the blocks' RMSNorm weights too (the teacher keeps the "
+                          "original ones)"),
+        "heal_hidden_coef": Key(float, 0.0, "stage 1: weight of the per-layer hidden-state loss (relative MSE to "
+                                "the unconverted model's states) added to the KL; > 0 runs stage 1 as the plain "
+                                "twin (every layer's graph kept)", min=0.0),
         "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
                             "(a frozen copy of the weights: +1x weights memory)", min=0.0),
         "recompute_chunk_tokens": Key(int, 0, "backward: recompute and back-propagate each layer's MoE branch by "
@@ -83,6 +93,8 @@ class RevFFNMethod(Method):
     calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
     teacher: nn.Module | None = None  # distill_coef > 0: frozen copy of the model before training
     heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
+    norm_originals: list | None = None  # heal_norms: the norm weights before training (the teacher's)
+    reversible = True  # whether the prepared model runs reversibly outside a heal with heal_hidden_coef
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True}  # the defaults: calibrated, heal on self
     STUDY_GAP_VARIANTS = {  # the paper's four adapters, the old default (coordinate init, task warm-up, no
@@ -117,9 +129,9 @@ class RevFFNMethod(Method):
                     raise UserError(f"revffn.{name}={show(asked)}: {cfg.model!r} was converted with "
                                     f"{name}={show(held)}, and a converted model is trained as it is. Fix: "
                                     f"revffn.{name}={show(held)}, or convert the base model again.")
-        if opts["adapter_warmup_steps"] >= cfg.max_steps:
-            raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} leaves no stage-2 step "
-                            f"(max_steps={cfg.max_steps}). Fix: make it smaller than max_steps.")
+        if opts["adapter_warmup_steps"] > cfg.max_steps:
+            raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} is more than max_steps="
+                            f"{cfg.max_steps}. Fix: at most max_steps (equal: a heal only, no stage 2).")
         if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
             from revffn.data.calibration import file_rows
             from revffn.data.tokenizer import model_tokenizer
@@ -164,6 +176,9 @@ class RevFFNMethod(Method):
     def _prepare_stages(self, model: nn.Module) -> nn.Module:
         """The heal's text source (stage 1) and the frozen teacher copy (stage 2, distill_coef > 0)."""
         cfg, opts = self.cfg, self.opts
+        self.reversible = model.reversible
+        if opts["heal_norms"]:
+            self.norm_originals = [p.detach().clone() for p in norm_parameters(model)]
         if opts["adapter_warmup_steps"] and opts["heal_data"] != TASK:
             from revffn.data.calibration import StepRows
             from revffn.data.tokenizer import model_tokenizer
@@ -202,8 +217,12 @@ class RevFFNMethod(Method):
 
     def set_trainable(self, model, step: int, optimizer=None) -> str:
         stage = self.stage(step)
-        params = self.optimizer_parameters(model) if stage == "joint" else model.adapter_parameters()
+        if stage == "joint":
+            params = self.optimizer_parameters(model)
+        else:
+            params = [*model.adapter_parameters(), *(norm_parameters(model) if self.opts["heal_norms"] else ())]
         set_requires_grad(model, {id(p) for p in params})
+        model.reversible = self.reversible and not (stage == "heal" and self.opts["heal_hidden_coef"] > 0)
         return stage
 
     def step_batches(self, model, step: int, micro_batches: list[dict]) -> list[dict]:
@@ -227,19 +246,31 @@ class RevFFNMethod(Method):
         if not heal and not (self.opts["distill_coef"] > 0 and stage == "joint"):
             return model(**batch, return_logits=False), None
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        teacher = model if heal else self._teacher_on(model)
+        if heal:
+            return self._heal_forward(model, batch)
+        teacher = self._teacher_on(model)
         target = teacher_hidden(teacher, ids, mask)
         with student_hidden(model) as box:
-            out = model(**({"input_ids": ids, "attention_mask": mask} if heal else batch), return_logits=False)
+            out = model(**batch, return_logits=False)
         head = get_path(model.hf, model.spec.head)
-        if heal:  # the CE positions: t predicts labels[t + 1]
-            kl_mask = torch.zeros_like(ids, dtype=torch.bool)
-            kl_mask[:, :-1] = batch["labels"][:, 1:] != -100
-            out.loss_sum, _ = distill_kl(box[0], target, head, kl_mask, model.chunk_tokens)
-            return out, None
         kl_sum, n = distill_kl(box[0], target, head, mask, model.chunk_tokens,
                                teacher_head=get_path(teacher.hf, teacher.spec.head))
         return out, self.opts["distill_coef"] * kl_sum / n.clamp(min=1)
+
+    def _heal_forward(self, model, batch: dict) -> tuple:
+        """Stage 1: KL(teacher ‖ student) summed over the positions the labels select, the teacher the
+        model's own frozen backbone in its original wiring (its original norms under heal_norms); plus
+        heal_hidden_coef x the per-layer hidden-state loss (`models.heal`), as the step's extra term."""
+        ids, mask, coef = batch["input_ids"], batch.get("attention_mask"), self.opts["heal_hidden_coef"]
+        norms = norm_parameters(model) if self.norm_originals else []
+        with original_norms(norms, self.norm_originals or []):
+            target, states = teacher_states(model, ids, mask) if coef else (teacher_hidden(model, ids, mask), None)
+        with student_hidden(model) as box, block_outputs(model) if coef else contextlib.nullcontext() as outs:
+            out = model(input_ids=ids, attention_mask=mask, return_logits=False)
+        kl_mask = torch.zeros_like(ids, dtype=torch.bool)  # the CE positions: t predicts labels[t + 1]
+        kl_mask[:, :-1] = batch["labels"][:, 1:] != -100
+        out.loss_sum, _ = distill_kl(box[0], target, get_path(model.hf, model.spec.head), kl_mask, model.chunk_tokens)
+        return out, (coef * hidden_mse(outs, states) if coef else None)
 
     def _teacher_on(self, model) -> nn.Module:
         """The frozen copy, moved to the model's device on first use (it is built on the host)."""

@@ -132,6 +132,8 @@ MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value t
     "revffn.adapter_skip": False,
     "revffn.adapter_warmup_ratio": None,
     "revffn.stream_width": "half",
+    "revffn.heal_norms": False,
+    "revffn.heal_hidden_coef": 0.0,
 }
 
 

@@ -16,6 +16,8 @@ pretraining text); other models report no gap unless `eval_data` is given.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,20 +29,16 @@ from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
 from revffn.methods.base import write_manifest
-from revffn.methods.conversion import (
-    calibrate_model,
-    check_source,
-    heal_model,
-    log_line,
-    peak_rss_bytes,
-)
+from revffn.methods.conversion import calibrate_model, check_source, log_line, peak_rss_bytes, progress_bar
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import STREAM_WIDTHS, convert
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
 from revffn.models.presets import TINY_PRESETS
+from revffn.training.config import load_config
 from revffn.training.evaluate import RETENTION_SET, retention_loss
+from revffn.training.step import build_run, train_step
 
 
 @dataclass
@@ -120,8 +118,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
         gap["calibrated"] = retention_loss(model, tokenizer, data)
     heal = None
     if spec.heal_steps:
-        heal = heal_model(model, tokenizer, spec.heal_data, spec.heal_steps, spec.heal_batch_size, spec.heal_lr,
-                          spec.heal_norms, "--heal-data", spec.seed, log, hidden_coef=spec.heal_hidden_coef)
+        heal = heal_converted(model, spec, log)
         if data:
             gap["healed"] = retention_loss(model, tokenizer, data)
     if data:
@@ -132,6 +129,61 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
                 "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes()}
     _write(model, tokenizer, Path(spec.out), manifest)
     return manifest
+
+
+def heal_config(spec: ConvertSpec):
+    """The training run `--heal-steps` is: the revffn method's stage 1 for all of its steps (a heal only, no
+    stage 2) at `--heal-lr`, with a linear warm-up over the first tenth and cosine to a tenth, clipped at 1."""
+    steps, quoted = spec.heal_steps, json.dumps  # a JSON string is a YAML string: paths stay paths
+    return load_config(None, [
+        f"model={quoted(spec.model)}", "method=revffn", f"max_steps={steps}", f"seed={spec.seed}", "dtype=float32",
+        f"learning_rate={spec.heal_lr}", f"warmup_steps={max(steps // 10, 1)}", "lr_scheduler_type=cosine",
+        "min_lr_ratio=0.1", "max_grad_norm=1.0", "weight_decay=0.0",
+        f"per_device_train_batch_size={spec.heal_batch_size}", "gradient_accumulation_steps=1", "output_dir=unused",
+        f"revffn.adapter_warmup_steps={steps}", f"revffn.heal_data={quoted(spec.heal_data)}",
+        f"revffn.heal_norms={str(spec.heal_norms).lower()}", f"revffn.heal_hidden_coef={spec.heal_hidden_coef}",
+        f"revffn.stream_width={spec.stream_width}", f"revffn.adapter_skip={str(spec.adapter_skip).lower()}",
+        f"revffn.stream_dtype={spec.stream_dtype}"])
+
+
+def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
+    """`--heal-steps` steps of the revffn method's stage 1 on the converted `model`, through the training loop's
+    step (`build_run` / `train_step`); returns the heal report. A heal whose KL turns non-finite, or ends above
+    where it started, is an error naming --heal-lr (nothing is written)."""
+    cfg = heal_config(spec)
+    device = next(model.parameters()).device
+    log(f"healing the adapters: {spec.heal_steps} steps x {spec.heal_batch_size} x 128 tokens of {spec.heal_data}, "
+        f"lr {spec.heal_lr:g}")
+    run = build_run(cfg, device, hf=model)
+    t0, kls, tokens = time.perf_counter(), [], 0
+    every = max(1, min(50, spec.heal_steps // 10))  # a log line per tenth of the heal, at most every 50 steps
+    with progress_bar("heal", "step") as progress:
+        for step in range(spec.heal_steps):
+            result = train_step(run, step, [])
+            kl = float(result.loss_sum) / max(result.n_tokens, 1)
+            if not math.isfinite(kl):
+                raise UserError(f"--heal-lr: the heal diverged at step {step + 1} (KL {kl}). Nothing was written. "
+                                f"Fix: a lower --heal-lr (e.g. {spec.heal_lr / 4:g}).")
+            kls.append(kl)
+            tokens += result.n_tokens
+            progress(step + 1, spec.heal_steps)
+            if (step + 1) % every == 0:
+                log(f"heal step {step + 1}/{spec.heal_steps}: KL {sum(kls[-every:]) / every:.4f}")
+    model.eval()
+    model.reversible = run.method.reversible  # (the plain twin ran a heal with --heal-hidden-coef)
+    tail = kls[-10:]
+    report = {"steps": spec.heal_steps, "lr": spec.heal_lr, "train_norms": spec.heal_norms,
+              "hidden_coef": spec.heal_hidden_coef, "kl_first": kls[0], "kl_max": max(kls),
+              "kl_last": sum(tail) / len(tail), "kl": [round(k, 5) for k in kls], "tokens": tokens,
+              "wall_s": round(time.perf_counter() - t0, 2), "data": spec.heal_data,
+              "batch_size": spec.heal_batch_size, "peak_rss_bytes": peak_rss_bytes()}
+    log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f} (max "
+        f"{report['kl_max']:.4f})")
+    if report["kl_last"] > report["kl_first"]:
+        raise UserError(f"--heal-lr: the heal diverged (KL {report['kl_first']:.4f} at step 1, {report['kl_last']:.4f} "
+                        f"over the last {len(tail)} steps). Nothing was written. Fix: a lower --heal-lr (e.g. "
+                        f"{spec.heal_lr / 4:g}), or more --heal-steps (a longer warm-up).")
+    return report
 
 
 def _write(model, tokenizer, out: Path, manifest: dict) -> None:
