@@ -42,6 +42,19 @@ def _nonnegative(s: str) -> int:
     return v
 
 
+def _heal_lr(s: str) -> float | None:
+    """`auto` (None: measured, `training.conversion.probe_heal_lr`) or a positive learning rate."""
+    if s == "auto":
+        return None
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive number, got {s}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive number, got {s}")
+    return v
+
+
 def cmd_check(args) -> int:
     from revffn.models.loading import model_kind, parse_dtype
     from revffn.reports.check import format_report, run_check
@@ -409,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-data", default="self", help="self or a data source (README: Data formats; "
                    "default: %(default)s)")
     k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
-    k.add_argument("--heal-lr", type=float, default=1e-3, help="heal AdamW peak LR (cosine to a tenth)")
+    k.add_argument("--heal-lr", type=_heal_lr, default=None, help="heal AdamW peak LR (cosine to a tenth); auto "
+                   "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3 on the first heal batch")
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
     k.add_argument("--heal-hidden-coef", type=float, default=0.0, help="add this x the per-layer hidden-state MSE to "
                    "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")

@@ -13,8 +13,9 @@ from revffn.models.convert import convert
 from revffn.models.heal import norm_parameters
 from revffn.models.loading import is_converted, load, load_hf, resolve_model_ref
 from revffn.models.presets import tiny_model
-from revffn.training.conversion import ConvertSpec, heal_converted
+from revffn.training.conversion import PROBE_LRS, ConvertSpec, heal_config, heal_converted, probe_heal_lr
 from revffn.training.evaluate import retention_loss
+from revffn.training.step import build_run
 
 TRAIN = ["method=revffn", "max_steps=2", "revffn.adapter_warmup_steps=1", "data=builtin:commas_train",
          "eval_data=null", "eval_generate_limit=0", "per_device_train_batch_size=2", "max_seq_length=32",
@@ -123,6 +124,15 @@ def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
     assert "--stream-width" in capsys.readouterr().err and not out.exists()
 
 
+def test_a_heal_that_diverges_exits_2_naming_the_lr_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "rev"
+    assert main(["convert", "builtin:base", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "10",
+                 "--heal-lr", "0.1", "--heal-batch-size", "2", "--eval-data", "builtin:commas_val"]) == 2  # KL 1.5x up
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--heal-lr" in err and "diverged" in err and "Fix:" in err, err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 def test_heal_lowers_retention_loss():
     """A few KL steps on text sampled from the base lower the loss on held-out pretraining text, through the
     training loop's step (`revffn convert --heal-steps`)."""
@@ -131,7 +141,7 @@ def test_heal_lowers_retention_loss():
     calibrate(model, row_batches(calibration_rows("self", tok, model, 2048, "revffn.calibration_data")))
     before = retention_loss(model, tok, limit=16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
-    report = heal_converted(model, ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4), log=print)
+    report = heal_converted(model, ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4), log=print)
     after = retention_loss(model, tok, limit=16)
     print(before, after, report)
     assert after < before - 0.03  # measured: 2.825 -> 2.761
@@ -149,3 +159,20 @@ def test_heal_with_norms_and_hidden_mse_runs_and_restores_the_model():
     report = heal_converted(model, spec, log=print)
     assert report["hidden_coef"] == 1.0 and model.reversible
     assert not all(torch.equal(a, b) for a, b in zip(norms, norm_parameters(model)))  # the norms trained
+
+
+def test_the_lr_probe_restores_the_adapters_and_picks_the_best_first_step():
+    """`--heal-lr auto`: each candidate's AdamW-sized first step is scored on a second batch, the lowest KL wins,
+    and the model is left exactly as it was. On builtin:base the old default, 1e-3, is not the best first step."""
+    tok = load_tokenizer(resolve_model_ref("builtin:base"))
+    model = convert(load_hf("builtin:base")).eval()
+    calibrate(model, row_batches(calibration_rows("self", tok, model, 1024, "revffn.calibration_data")))
+    spec = ConvertSpec("builtin:base", "unused", heal_steps=10)
+    run = build_run(heal_config(spec, 1e-3), torch.device("cpu"), hf=model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    probe = probe_heal_lr(run)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert list(probe["kl_after"]) == list(PROBE_LRS)
+    best = min(probe["kl_after"].values())
+    assert probe["lr"] == (min(probe["kl_after"], key=probe["kl_after"].get) if best < probe["kl_0"] else PROBE_LRS[0])
+    assert best < probe["kl_0"] and probe["kl_after"][1e-3] > best, probe
