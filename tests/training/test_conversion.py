@@ -141,7 +141,8 @@ def test_heal_lowers_retention_loss():
     calibrate(model, row_batches(calibration_rows("self", tok, model, 2048, "revffn.calibration_data")))
     before = retention_loss(model, tok, limit=16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
-    report = heal_converted(model, ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4), log=print)
+    spec = ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4)
+    report = heal_converted(model, spec, log=print)
     after = retention_loss(model, tok, limit=16)
     print(before, after, report)
     assert after < before - 0.03  # measured: 2.825 -> 2.761
