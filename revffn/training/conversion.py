@@ -206,8 +206,8 @@ def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
     if spec.heal_lr is None:
         probe = probe_heal_lr(run)
         set_peak_lr(run, probe["lr"])
-        log(f"--heal-lr auto: {probe['lr']:g} (KL {probe['kl_0']:.4f} on the first batch; after one AdamW-sized step "
-            + ", ".join(f"{lr:g}: {kl:.3g}" for lr, kl in probe["kl_after"].items()) + ")")
+        log(f"--heal-lr auto: {probe['lr']:g} (KL {probe['kl_0']:.4f} on the second heal batch; after one "
+            "AdamW-sized step " + ", ".join(f"{lr:g}: {kl:.3g}" for lr, kl in probe["kl_after"].items()) + ")")
     lr = run.cfg.learning_rate
     log(f"healing the adapters: {spec.heal_steps} steps x {spec.heal_batch_size} x 128 tokens of {spec.heal_data}, "
         f"lr {lr:g}")
