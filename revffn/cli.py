@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: %(default)s)")
     k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
     k.add_argument("--heal-lr", type=_heal_lr, default=None, help="heal AdamW peak LR (cosine to a tenth); auto "
-                   "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3 on the first heal batch")
+                   "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3, scored on a second heal batch")
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
     k.add_argument("--heal-hidden-coef", type=float, default=0.0, help="add this x the per-layer hidden-state MSE to "
                    "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")

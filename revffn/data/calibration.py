@@ -12,7 +12,6 @@ each starting at the document boundary. A file's examples are rendered as traini
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import torch
 
@@ -99,16 +98,6 @@ class StepRows:
                                seed=self.seed * 1_000_003 + k + 1)
             self._pool = (k, pool)
         return self._pool[1][i * self.n_rows : (i + 1) * self.n_rows]
-
-
-def heal_batches(source: str, tokenizer, model, batch_size: int, key: str, seed: int = 0,
-                 seq_len: int = SEQ_LEN, rows: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, None]]:
-    """Endless (input_ids (batch_size, seq_len), None) batches, step by step from `StepRows`."""
-    step_rows = StepRows(source, tokenizer, batch_size, key, seed, seq_len, rows)
-    step = 0
-    while True:
-        yield step_rows(model, step), None
-        step += 1
 
 
 def row_batches(rows: torch.Tensor, batch_size: int = 32):
