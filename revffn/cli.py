@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
     c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
-    c.add_argument("--stream-width", default="half", choices=["half", "full"], help="the reversible streams' width")
+    c.add_argument("--stream-width", default="full", choices=["full", "half"], help="the reversible streams' width")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
@@ -429,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")
     k.add_argument("--no-adapter-skip", action="store_true", help="P_up / P_down only: no skip per branch "
                    "(revffn.adapter_skip: false)")
-    k.add_argument("--stream-width", default="half", help="half (two d/2 streams, the paper's) | full (two d-wide "
-                   "streams; revffn.stream_width)")
+    k.add_argument("--stream-width", default="full", help="full (two d-wide streams, the default) | half (two d/2 "
+                   "streams, the paper's; revffn.stream_width)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")

@@ -1,6 +1,7 @@
 """Convert an HF MoE causal LM into a RevFFN reversible model.
 
-Every decoder layer becomes an `HFRevBlock` on two half-width streams (X_1, X_2), d/2 wide:
+Every decoder layer becomes an `HFRevBlock` on two streams (X_1, X_2). At the paper's half width
+(`stream_width="half"`) each stream is d/2 wide:
 
     F(X_2) = P_down_attn( SelfAttention( input_layernorm( P_up_attn(X_2) ) ) )
     G(Y_1) = P_down_moe( MoE( post_attention_layernorm( P_up_moe(Y_1) ) ) )
@@ -14,7 +15,9 @@ keeps `base_layer`), in place inside the HF model, so its parameter names only g
 
 The embedding output is split along features into X_1, X_2; at the end concat(Y_1, Y_2) feeds
 the pretrained final norm and LM head (embedding and logit multipliers applied where the spec
-names them).
+names them). At full width (`stream_width="full"`, training's and `revffn convert`'s default) both
+streams are d wide and start as the embedding output, there is no P_up, and Y_2 feeds the head
+(`HFRevBlock`).
 """
 
 from __future__ import annotations

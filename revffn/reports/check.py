@@ -97,7 +97,7 @@ def _flat(grads: dict, names) -> torch.Tensor:
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
               seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
               stream_dtype: torch.dtype = torch.float32, device: str = "cpu", hidden: int | None = None,
-              stream_width: str = "half") -> dict:
+              stream_width: str = "full") -> dict:
     """Run the consistency check; returns the report dict (see module docstring).
 
     `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;

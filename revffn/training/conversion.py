@@ -56,7 +56,7 @@ class ConvertSpec:
     heal_norms: bool = False
     heal_hidden_coef: float = 0.0
     adapter_skip: bool = True
-    stream_width: str = "half"
+    stream_width: str = "full"
     eval_data: str | None = None
     stream_dtype: str = "float32"
     seed: int = 0

@@ -35,13 +35,14 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
     manifest = json.loads((out / "revffn.json").read_text())
     assert manifest["format"] == "revffn" and is_converted(str(out))
     assert set(manifest["conversion_gap"]) == {"data", "base", "coordinate", "calibrated", "healed"}
-    assert len(manifest["calibration"]["residuals"]) == 4 * 2 and manifest["heal"]["steps"] == 2
+    # full width (the default): two fits a layer (P_down_attn, P_down_moe, each with its skip), 2 layers
+    assert len(manifest["calibration"]["residuals"]) == 2 * 2 and manifest["heal"]["steps"] == 2
     assert {"model.safetensors", "config.json", "tokenizer.json", "modeling_revffn.py",
             "generation_config.json"} <= {p.name for p in out.iterdir()}  # as a run's final/: transformers loads it
     converted = load(str(out))
-    coordinate = torch.zeros_like(converted.blocks[0].p_up_attn.weight)
-    coordinate[32:] = torch.eye(32)
-    assert not torch.equal(converted.blocks[0].p_up_attn.weight, coordinate)  # calibrated, not the plain init
+    assert manifest["convert"]["stream_width"] == "full" and converted.stream_width == "full"  # the default
+    coordinate = torch.eye(converted.config.hidden_size)  # full width's plain init: P_down = I
+    assert not torch.equal(converted.blocks[0].p_down_attn.weight, coordinate)  # calibrated, not the plain init
     capsys.readouterr()
 
     run = tmp_path / "run"
