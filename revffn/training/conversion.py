@@ -61,6 +61,18 @@ class ConvertSpec:
     stream_dtype: str = "float32"
     seed: int = 0
     overwrite: bool = False
+    device: str = "cpu"  # cpu | cuda | auto: where the model is calibrated, healed and measured
+
+
+def convert_device(device: str) -> torch.device:
+    """`--device`: cpu, cuda (refused where torch sees no CUDA device) or auto (cuda where there is one)."""
+    if device not in ("cpu", "cuda", "auto"):
+        raise UserError(f"--device: unknown device {device!r}. Fix: cpu, cuda or auto.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA device here. Nothing was written. Fix: --device cpu, or "
+                        "--device auto (cuda where there is one).")
+    return torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                        "cpu" if device == "auto" else device)
 
 
 def validate(spec: ConvertSpec):
@@ -69,6 +81,7 @@ def validate(spec: ConvertSpec):
     if is_converted(spec.model, "MODEL"):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
     parse_dtype(spec.stream_dtype, "--stream-dtype")
+    convert_device(spec.device)
     if spec.stream_width not in STREAM_WIDTHS:
         raise UserError(f"--stream-width: unknown width {spec.stream_width!r}. Fix: one of {', '.join(STREAM_WIDTHS)}.")
     if spec.heal_hidden_coef < 0:
@@ -105,6 +118,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     torch.manual_seed(spec.seed)
     data = eval_set(spec)
     hf = load_hf(spec.model, seed=spec.seed, **({"vocab_size": len(tokenizer)} if spec.model in TINY_PRESETS else {}))
+    hf.to(convert_device(spec.device))
     gap: dict = {"data": data}
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
@@ -127,7 +141,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
                 "stream_dtype": spec.stream_dtype, "converted_from": spec.model, "convert": asdict(spec),
                 "conversion_gap": gap, "calibration": calibration, "heal": heal,
                 "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes()}
-    _write(model, tokenizer, Path(spec.out), manifest)
+    _write(model.cpu(), tokenizer, Path(spec.out), manifest)
     return manifest
 
 

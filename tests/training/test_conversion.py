@@ -31,7 +31,7 @@ def _one_thread():
 def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "2",
-                 "--eval-data", "builtin:commas_val"]) == 0
+                 "--eval-data", "builtin:commas_val", "--device", "auto"]) == 0
     manifest = json.loads((out / "revffn.json").read_text())
     assert manifest["format"] == "revffn" and is_converted(str(out))
     assert set(manifest["conversion_gap"]) == {"data", "base", "coordinate", "calibrated", "healed"}
@@ -123,6 +123,15 @@ def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--stream-width", "third"]) == 2
     assert "--stream-width" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("device", ["tpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA device is here: --device cuda is valid"))])
+def test_a_device_that_is_not_here_exits_2_naming_the_flag(tmp_path, capsys, device):
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and "Fix:" in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_a_heal_that_diverges_exits_2_naming_the_lr_and_writes_nothing(tmp_path, capsys):
