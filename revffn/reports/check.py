@@ -31,7 +31,9 @@ TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_
 # fp32 streams of a real model: activations in the hundreds (SmolLM2's massive activations) round by more
 # than the tiny models' absolute tolerances. Up to ROUNDING_TOL the fp32 error passes when the same check
 # with fp64 streams is within TOL, as in `revffn archs`: the math is exact, the error is fp32 rounding.
-ROUNDING_TOL = {"max_rel_grad_error": 1e-3, "max_reconstruction_error": 1e-5}  # the latter relative to max |X|
+# Full-width streams both carry the massive coordinates (SmolLM2-MoE, 4 layers: max |X| 1106, relative gradient
+# error 2.2e-3 in fp32, 1.5e-8 with fp64 streams; half width: 472, 1.1e-3).
+ROUNDING_TOL = {"max_rel_grad_error": 1e-2, "max_reconstruction_error": 1e-5}  # the latter relative to max |X|
 GRAD_FLOOR = 1e-3  # relative to the largest parameter-gradient norm; see grad_error
 
 

@@ -86,6 +86,8 @@ def test_check_passes_on_the_moe(wheel):
     out = revffn("check", "--model", "builtin:smollm2-moe", "--layers", "4", "--json").stdout
     report = json.loads(out)
     assert report["passed"], report
+    if report["max_rel_grad_error"] > 1e-5:  # fp32 rounding on the massive activations: the math is exact in fp64
+        assert report["fp64_streams"]["max_rel_grad_error"] <= 1e-5, report
 
 
 def test_the_gguf_file_is_a_model_reference_relative_and_absolute(wheel, docs, dense_loss, tmp_path, monkeypatch):

@@ -58,9 +58,10 @@ def test_fsdp_per_gpu_and_the_gpus_needed(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     for word in ("per GPU (distributed fsdp, world size 8)", "gathered_params", "unsharded_grads",
-                 "fsdp: fits on 6 or more GPUs of 80GB", "GPUs"):
+                 "fsdp: fits on 7 or more GPUs of 80GB", "GPUs"):
         assert word in out, word
     assert cli.main([*argv, "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
-    assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", 6)
-    assert {r["optimizer"]: r["gpus"] for r in est["configurations"] if r["offload"] == "none"}["adamw"] == 6
+    # full-width streams (the default): 7 GPUs; 6 at half width
+    assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", 7)
+    assert {r["optimizer"]: r["gpus"] for r in est["configurations"] if r["offload"] == "none"}["adamw"] == 7
