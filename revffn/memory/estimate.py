@@ -69,6 +69,9 @@ COMMON_OPTIONS = {  # every method's estimator options (a method adds its own in
                                  "gradient held at a time"),
     "offload": Key(str, "none", "none | cpu: optimizer states (and gradients, as produced) in host memory",
                    choices=("none", "cpu")),
+    "loss": Key(str, "chunked", "chunked (revffn's cross-entropy, a chunk of logits at a time) | hf (transformers' "
+                "own, as Trainer runs it: the whole (B, T, V) logits, and their fp32 log-softmax saved)",
+                choices=("chunked", "hf")),
 }
 
 
@@ -318,7 +321,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                         "revffn.methods.method_class.")
     opts = _options(method, options)
     optimizer = opts.pop("optimizer") or optimizer
-    in_backward, offload = opts.pop("optimizer_in_backward"), opts.pop("offload")
+    in_backward, offload, loss = opts.pop("optimizer_in_backward"), opts.pop("offload"), opts.pop("loss")
     if optimizer not in OPTIMIZER_STATES and optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {optimizer!r}. Fix: use one of "
                         f"{', '.join(dict.fromkeys((*OPTIMIZERS, *OPTIMIZER_STATES)))}.")
@@ -374,9 +377,15 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     if s != 4:
         notes.append(f"{dtype}: {s}-byte weights and grads" + (
             f", {optimizer} states like the params" if optimizer in OPTIMIZER_STATES and offload != "cpu" else ""))
-    logits = min(B * (T - 1), CHUNK_TOKENS) * m.vocab * 4 * 2
-    notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
     act_fwd, working = terms.activations_forward, terms.recompute_working_set
+    if loss == "hf":  # the head's output whole, upcast; cross-entropy saves its fp32 log-softmax
+        logits = B * T * m.vocab * (s + 4)
+        act_fwd += B * T * m.vocab * 4
+        notes.append("loss hf: transformers' cross-entropy on the whole batch: the (B, T, V) logits and their fp32 "
+                     "log-softmax (saved for backward), then its gradient")
+    else:
+        logits = min(B * (T - 1), CHUNK_TOKENS) * m.vocab * 4 * 2
+        notes.append(f"logits: chunked CE, one {min(B * (T - 1), CHUNK_TOKENS)}-token chunk of fp32 logits + grad")
     activations = act_fwd + working
     rest = weights + grads + states + buckets + gathered + unsharded + activations + logits
     overhead = int(round(OVERHEAD * rest))

@@ -6,6 +6,8 @@ shares one loss (chunked cross-entropy), one router load-balancing loss and one 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -35,7 +37,7 @@ class CausalLM(nn.Module):
         for layer in get_path(hf_model, self.spec.layers):
             router = get_path(layer, f"{self.spec.mlp}.{self.spec.router}", None)
             if isinstance(router, nn.Module) and self.num_experts:
-                self._taps.append(RouterTap(router, self.spec.router_logits_index))
+                self._taps.append(RouterTap(router, self.spec.router_logits_index, listening=False))
 
     @property
     def config(self):
@@ -52,8 +54,12 @@ class CausalLM(nn.Module):
         cache class, hybrid ones included), `out.cache` the extended cache."""
         backbone = get_path(self.hf, self.spec.layers.rsplit(".", 1)[0])
         use_cache = use_cache or cache is not None
-        base = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=use_cache, **({"cache": cache} if cache is not None else {}))
+        with contextlib.ExitStack() as taps:  # the routers' logits of this forward only (`RouterTap.listen`)
+            for tap in self._taps:
+                taps.enter_context(tap.listen())
+            base = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=use_cache, **({"cache": cache} if cache is not None else {}))
+        router_logits = [tap.take() for tap in self._taps]  # held by the aux loss's graph alone
         hidden = base.last_hidden_state
         head = get_path(self.hf, self.spec.head)
         out = RevFFNOutput(cache=base.cache if use_cache else None)
@@ -62,8 +68,8 @@ class CausalLM(nn.Module):
             row_mask = None if rows is None else rows.reshape(-1).float()
             trainable = torch.is_grad_enabled() and any(p.requires_grad for r in self.routers() for p in r.parameters())
             aux = SwitchAux(self.num_experts, self.top_k, row_mask, differentiable=trainable)
-            for tap in self._taps:
-                aux.add(tap.logits if trainable else tap.logits.detach())
+            for logits in router_logits:
+                aux.add(logits if trainable else logits.detach())
             out.aux_loss = aux.value()
         if labels is not None:
             out.loss_sum, out.n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,

@@ -4,6 +4,7 @@
         --batch 4 --seq 512 --steps 3 --out runs/bench
     revffn bench ... --sweep layers=4,8,16,32 --out runs/bench
     revffn bench ... --nproc 2 [--distributed fsdp|ddp] --out runs/bench_fsdp
+    revffn bench ... --peers hf-trainer[,trl-sft] --out runs/bench     # and the tools users would run instead
 
 Each method runs in `revffn.reports.workers.bench` (its own process, so its peak memory is its own)
 and returns one row: peak memory, bytes saved for backward, grads, optimizer states, tokens/s and a
@@ -16,6 +17,11 @@ analytic estimate (`revffn.memory.estimate`) of the same configuration. Outputs:
 stepping `--batch` rows of its own: the row holds every rank's measurement (`ranks`), memory as the
 max over ranks, and the same method measured in one process (`one_process`), so that what sharding
 saves per rank shows as a ratio (`static_vs_one_process`, `peak_vs_one_process`).
+
+`--peers` adds, after the methods, each peer trainer (`revffn.reports.workers.peer.PEERS`: transformers'
+`Trainer`, TRL's `SFTTrainer`) without and with gradient checkpointing: rows `hf-trainer` and
+`hf-trainer+ckpt`, the same model, batch, dtype and optimizer, measured the same way, in the same kind of
+fresh process. On CPU every worker runs with `ALLOC_ENV` (recorded in `run_info.worker_env`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from pathlib import Path
 from revffn.errors import UserError, closest
 
 WORKER_MODULE = "revffn.reports.workers.bench"  # run as `python -m WORKER_MODULE ARGS_JSON`
+PEER_MODULE = "revffn.reports.workers.peer"  # a peer trainer's measurement, the same way
+PEERS = ("hf-trainer", "trl-sft")  # `revffn.reports.workers.peer.PEERS` (imported by the worker only)
+CKPT_SUFFIX = "+ckpt"  # a peer's row with gradient checkpointing: `hf-trainer+ckpt`
 SWEEP_VARS = {"layers": "layers", "seq": "seq", "batch": "batch", "hidden": "hidden"}
 Runner = Callable[[dict, float | None], dict]  # (worker args, timeout) -> result row; default `run_worker`
 
@@ -57,6 +66,7 @@ class BenchSpec:
     timeout: float | None = None
     nproc: int = 1  # processes (torchrun ranks) per measurement; `batch` is per rank
     distributed: str | None = None  # none | ddp | fsdp; None: fsdp when nproc > 1
+    peers: list[str] = field(default_factory=list)  # of PEERS: each also run with gradient checkpointing
 
 
 def resolve(spec: BenchSpec) -> BenchSpec:
@@ -73,6 +83,7 @@ def resolve(spec: BenchSpec) -> BenchSpec:
         method_class(split_label(m)[0], key="--methods")
     if not spec.methods:
         raise UserError("--methods: give at least one method, e.g. full,ckpt,revffn.")
+    check_peers(spec.peers, spec.nproc)
     if spec.dtype not in ("auto", "float32", "bfloat16"):
         raise UserError(f"--dtype: {spec.dtype!r} is not one of auto, float32, bfloat16.")
     if spec.device not in ("auto", "cpu", "cuda"):
@@ -91,6 +102,25 @@ def resolve(spec: BenchSpec) -> BenchSpec:
             except UserError as e:
                 raise UserError(f"--methods {m} with --nproc {out.nproc}: {e}") from None
     return out
+
+
+def check_peers(peers: list[str], nproc: int) -> None:
+    """`--peers`: known names, an installed trainer, one process (UserError otherwise)."""
+    import importlib.util
+
+    for p in peers:
+        if p not in PEERS:
+            raise UserError(f"--peers: unknown peer {p!r}.{closest(p, PEERS)} Fix: one or more of {', '.join(PEERS)}.")
+        if p == "trl-sft" and importlib.util.find_spec("trl") is None:
+            raise UserError("--peers trl-sft: TRL is not installed. Fix: pip install trl, or --peers hf-trainer.")
+    if peers and nproc > 1:
+        raise UserError(f"--peers with --nproc {nproc}: the peers run in one process. Fix: --nproc 1, or leave out "
+                        "--peers.")
+
+
+def peer_labels(peers: list[str]) -> list[str]:
+    """Each peer's two rows: without and with gradient checkpointing."""
+    return [label for p in peers for label in (p, p + CKPT_SUFFIX)]
 
 
 def _strategy(nproc: int, distributed: str | None, device: str) -> str:
@@ -127,10 +157,17 @@ def split_label(label: str) -> tuple[str, list[str]]:
 
 def worker_args(spec: BenchSpec, method: str) -> dict:
     """The worker's JSON arguments for one method (a label: NAME[:KEY=VALUE...]). `method_module`: the
-    module that registers it, which the worker imports first (a method registered outside the package)."""
+    module that registers it, which the worker imports first (a method registered outside the package).
+    A peer's label (`peer_labels`) runs the peer worker, on the revffn method it trains like (`full`,
+    `ckpt`: the training config, and the estimate its row carries)."""
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides
 
+    peer = method.removesuffix(CKPT_SUFFIX) if method.removesuffix(CKPT_SUFFIX) in PEERS else None
+    if peer is not None:
+        checkpointing = method.endswith(CKPT_SUFFIX)
+        return {**worker_args(spec, "ckpt" if checkpointing else "full"), "label": method, "worker": PEER_MODULE,
+                "peer": peer, "checkpointing": checkpointing, "set": list(spec.set)}
     name, overrides = split_label(method)
     return {"model": spec.model, "method": name, "label": method, "method_module": method_class(name).__module__,
             "model_config": config_overrides(spec.model, spec.layers, spec.hidden),
@@ -150,7 +187,8 @@ def estimate_fields(args: dict) -> dict:
         method = method_class(cfg.method, args.get("method_module"))
         # the bench batch has no padding: HF drops the all-ones mask
         opts = {"padded": False, **method.estimate_options(cfg.section(cfg.method)), "optimizer": cfg.optimizer,
-                "optimizer_in_backward": cfg.optimizer_in_backward, "offload": cfg.optimizer_offload}
+                "optimizer_in_backward": cfg.optimizer_in_backward, "offload": cfg.optimizer_offload,
+                "loss": "hf" if args.get("peer") else "chunked"}  # a peer trains through HF's own loss
         est = estimate(hf_config(cfg.model, **cfg.model_config), method, args["batch"], args["seq"],
                        args["dtype"], world_size=args.get("nproc", 1), distributed=args.get("distributed", "none"),
                        **opts)
@@ -165,10 +203,12 @@ def estimate_fields(args: dict) -> dict:
 # glibc's malloc raises its mmap threshold to the size of each large block freed, after which blocks
 # of that size stay resident once freed: with FSDP's per-unit gather and reduce-scatter buffers a
 # rank's RSS then grows step after step past what its tensors hold (docs/bench_fsdp's full: 381 MiB
-# peak per rank, 60 MiB of tensors held between steps; 211 MiB with the fixed threshold). A fixed
-# threshold returns every block over 128 KiB on free, so peak RSS follows the tensors; an --nproc
-# bench sets it for the ranks and their one-process twin alike.
-NPROC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# peak per rank, 60 MiB of tensors held between steps; 211 MiB with the fixed threshold), and in one
+# process the retention roughly doubles every figure (issue 24: 1254 against 698 MiB for the peer).
+# A fixed threshold returns every block over 128 KiB on free, so peak RSS follows the tensors: every
+# CPU worker, revffn's and the peers', runs with it.
+ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+NPROC_ENV = ALLOC_ENV  # (the name --nproc benches recorded it under)
 MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
                   "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total")
 
@@ -185,7 +225,7 @@ def worker_command(args: dict) -> list[str]:
     n = args.get("nproc", 1)
     launch = ["-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-addr=127.0.0.1",
               f"--master-port={_free_port()}"] if n > 1 else []
-    return [sys.executable, *launch, "-m", WORKER_MODULE, json.dumps(args)]
+    return [sys.executable, *launch, "-m", args.get("worker", WORKER_MODULE), json.dumps(args)]
 
 
 def run_worker(args: dict, timeout: float | None = None) -> dict:
@@ -265,8 +305,8 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
     rank's static bytes and the same method in one process (`one_process`, measured first), to which
     each rank's static bytes and peak are compared; both under `NPROC_ENV`."""
     one = None
+    env = env or (ALLOC_ENV if spec.device == "cpu" or spec.nproc > 1 else None)
     if spec.nproc > 1:
-        env = NPROC_ENV
         one = measure(replace(spec, nproc=1, distributed="none"), method, runner, env)
     args = {**worker_args(spec, method), **({"env": env} if env else {})}
     row = {**(runner or run_worker)(args, spec.timeout), "method": method}  # the label: variants stay apart
@@ -344,11 +384,11 @@ def meta_info(spec: BenchSpec, rows: list[dict]) -> dict:
 def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | None = None) -> dict:
     """Every method of `spec`, one fresh process each (`runner`: how one is measured, default
     `run_worker`); the bench.json document."""
-    info = run_info(spec, argv, **({"worker_env": NPROC_ENV} if spec.nproc > 1 else {}))
-    rows = []
-    for i, m in enumerate(spec.methods, 1):
+    info = run_info(spec, argv, **({"worker_env": ALLOC_ENV} if spec.device == "cpu" or spec.nproc > 1 else {}))
+    rows, labels = [], [*spec.methods, *peer_labels(spec.peers)]
+    for i, m in enumerate(labels, 1):
         rows.append(measure(spec, m, runner))
-        _progress(i, len(spec.methods), m, rows[-1])
+        _progress(i, len(labels), m, rows[-1])
     return {"run_info": info, "meta_info": meta_info(spec, rows), "results": rows}
 
 
@@ -370,11 +410,13 @@ def parse_sweep(text: str) -> tuple[str, list[int]]:
 def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | None = None,
               runner: Runner | None = None) -> dict:
     """Every method at every value of `var` (fresh process each); the sweep.json document."""
-    info = run_info(spec, argv, sweep={"variable": var, "values": values})
-    rows, n, i = [], len(values) * len(spec.methods), 0
+    info = run_info(spec, argv, sweep={"variable": var, "values": values},
+                    **({"worker_env": ALLOC_ENV} if spec.device == "cpu" else {}))
+    labels = [*spec.methods, *peer_labels(spec.peers)]
+    rows, n, i = [], len(values) * len(labels), 0
     for v in values:
         point = BenchSpec(**{**asdict(spec), SWEEP_VARS[var]: v})
-        for m in spec.methods:
+        for m in labels:
             i += 1
             rows.append({"value": v, **measure(point, m, runner)})
             _progress(i, n, f"{var}={v} {m}", rows[-1])

@@ -236,14 +236,27 @@ class RouterTap:
     `logits_index`), for the load-balancing loss. Choices are recorded for the whole sub-block
     (`recording_choices`), not here."""
 
-    def __init__(self, router: nn.Module, logits_index: int = 0):
+    def __init__(self, router: nn.Module, logits_index: int = 0, listening: bool = True):
         self.router = router
         self.logits_index = logits_index
         self.logits: torch.Tensor | None = None
+        self.listening = listening  # False: calls pass unrecorded (see `listen`)
         self._handle = router.register_forward_hook(self._keep)
 
     def _keep(self, module, args, output):
-        self.logits = output[self.logits_index] if isinstance(output, tuple) else output
+        if self.listening:
+            self.logits = output[self.logits_index] if isinstance(output, tuple) else output
+
+    @contextlib.contextmanager
+    def listen(self):
+        """Record only inside: a tap that listens to every call would also keep the logits of a gradient
+        checkpoint's recompute in backward, and with them that recomputed layer's whole graph, until the
+        next forward (HF checkpointing under `CausalLM`: 290 MiB at the bench's act-heavy profile)."""
+        self.listening = True
+        try:
+            yield
+        finally:
+            self.listening = False
 
     def take(self) -> torch.Tensor | None:
         """The logits of the router's last call since the previous `take()` (None if it was not

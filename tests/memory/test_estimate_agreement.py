@@ -74,3 +74,20 @@ def test_optimizer_options_within_10_percent(label):
     assert row["optimizer_state_bytes"] > 0
     assert abs(est["est_static_bytes"] / static - 1) <= 0.10, (label, est["est_static_bytes"], static)
     assert abs(est["est_activation_bytes"] / row["activation_bytes"] - 1) <= 0.15
+
+
+@pytest.mark.parametrize("label", ["hf-trainer", "hf-trainer+ckpt"])
+def test_peer_trainer_within_10_percent(label):
+    """transformers' Trainer (the bench's `--peers`) against `revffn estimate --option loss=hf` of the method it
+    trains like: its loss saves the whole batch's fp32 log-softmax, which the estimate adds."""
+    from revffn.reports.workers import peer
+
+    spec = BenchSpec("tiny-qwen2-moe", ["full"], 2, None, 2, 64, 1, "float32", "cpu")
+    args = worker_args(spec, label)
+    row = peer.run(args)
+    assert row["status"] == "ok", row
+    est = estimate_fields(args)
+    static = row["param_bytes"] + row["grad_bytes"] + row["optimizer_state_bytes"]
+    assert abs(est["est_static_bytes"] / static - 1) <= 0.10, (label, est["est_static_bytes"], static)
+    assert abs(est["est_activation_bytes"] / row["activation_bytes"] - 1) <= 0.10, (
+        label, est["est_activation_bytes"], row["activation_bytes"])

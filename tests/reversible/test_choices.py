@@ -245,3 +245,13 @@ def test_per_layer_type_position_embeddings_reach_their_own_blocks():
         (Y_1.square().sum() + Y_2.sum()).backward()
         grads[reversible] = torch.cat([p.grad.reshape(-1) for blk in blocks for p in blk.parameters()])
     assert torch.allclose(grads[True], grads[False], atol=1e-5)
+
+
+def test_a_tap_not_listening_records_nothing():
+    router = Router()
+    tap = RouterTap(router, listening=False)
+    router(torch.randn(3, 8))
+    assert tap.logits is None
+    with tap.listen():
+        logits, _, _ = router(torch.randn(3, 8))
+    assert tap.take() is logits and not tap.listening

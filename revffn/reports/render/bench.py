@@ -68,18 +68,25 @@ def failures(rows: list[dict], key: str = "") -> list[str]:
     return out
 
 
+def peer_ckpt(rows: list[dict]) -> dict | None:
+    """The first peer's checkpointed row that ran (`hf-trainer+ckpt`): what users would run instead."""
+    return next((r for r in rows if r.get("status") == "ok" and r.get("peer") and r.get("checkpointing")), None)
+
+
 def bench_markdown(data: dict) -> str:
-    """bench.md: one row per method, ratios to full (and to ckpt), measured vs estimated bytes."""
+    """bench.md: one row per method (and peer), ratios to full, ckpt and the peer's checkpointing, measured vs
+    estimated bytes."""
     if _ranked(data):
         return ranks_markdown(data)
     rows = data["results"]
     ok = _ok(rows)
-    full, ckpt = ok.get("full"), ok.get("ckpt")
+    full, ckpt, peer = ok.get("full"), ok.get("ckpt"), peer_ckpt(rows)
     cuda = any(r.get("peak_reserved_bytes") for r in ok.values())
     lines = _header(data, "Bench")
-    head = ["method", "status", "peak mem MiB", "÷ full", "÷ ckpt"] + (["reserved MiB"] if cuda else []) + \
-        ["tokens/s", "÷ full", "÷ ckpt", "saved for backward MiB (est.)", "static MiB (est.)", "trainable params",
-         "routing records MiB"]
+    vs_peer = [f"÷ {peer['method']}"] if peer else []
+    head = ["method", "status", "peak mem MiB", "÷ full", "÷ ckpt", *vs_peer] + (["reserved MiB"] if cuda else []) + \
+        ["tokens/s", "÷ full", "÷ ckpt", *vs_peer, "saved for backward MiB (est.)", "static MiB (est.)",
+         "trainable params", "routing records MiB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for r in rows:
         if r.get("status") != "ok":
@@ -88,9 +95,11 @@ def bench_markdown(data: dict) -> str:
         peak, tps = r["peak_mem_bytes"], r["tokens_per_s"]
         cells = [r["method"], "ok", _mib(peak), _ratio(peak, full and full["peak_mem_bytes"]),
                  _ratio(peak, ckpt and ckpt["peak_mem_bytes"])]
+        cells += [_ratio(peak, peer["peak_mem_bytes"])] if peer else []
         cells += [_mib(r.get("peak_reserved_bytes"))] if cuda else []
-        cells += [f"{tps:.0f}", _ratio(tps, full and full["tokens_per_s"]), _ratio(tps, ckpt and ckpt["tokens_per_s"]),
-                  f"{_mib(r['activation_bytes'])} ({_mib(r.get('est_activation_bytes'))})",
+        cells += [f"{tps:.0f}", _ratio(tps, full and full["tokens_per_s"]), _ratio(tps, ckpt and ckpt["tokens_per_s"])]
+        cells += [_ratio(tps, peer["tokens_per_s"])] if peer else []
+        cells += [f"{_mib(r['activation_bytes'])} ({_mib(r.get('est_activation_bytes'))})",
                   f"{_mib(r['static_bytes'])} ({_mib(r.get('est_static_bytes'))})", f"{r['trainable_params']:,}",
                   _mib(r["routing_record_bytes"]) if r.get("routing_record_bytes") else ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -98,7 +107,26 @@ def bench_markdown(data: dict) -> str:
               + "; tokens/s: median over the timed steps; saved for backward: bytes autograd holds after one "
               "forward (parameters excluded; revffn's routing records listed apart); static: weights + grads + "
               "optimizer states; (est.): `revffn estimate` for the same configuration."]
+    peers = [r for r in ok.values() if r.get("peer")]
+    if peers:
+        lines += ["", "Peers: " + "; ".join(
+            f"`{r['method']}` is {r['trainer']} (transformers {r.get('versions', {}).get('transformers')}), "
+            f"{r['global_step']} optimizer steps, gradient checkpointing {'on' if r['checkpointing'] else 'off'}, "
+            f"estimated as `{r['like']}`" for r in peers) + ": the same model, batch, dtype and AdamW, each in a "
+            "fresh process; its Trainer log is in bench.json."]
+    lines += _alloc_note(data, cuda)
     return "\n".join(lines + failures(rows)) + "\n"
+
+
+def _alloc_note(data: dict, cuda: bool) -> list[str]:
+    env = data["run_info"].get("worker_env")
+    if not env or cuda:
+        return []
+    return ["", "Every process ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + ": with glibc's "
+            "default, a freed block raises malloc's mmap threshold and later blocks of its size stay resident once "
+            "freed, so peak RSS measures the allocator's retention as much as the tensors (FSDP's gather and "
+            "reduce-scatter buffers, a layer's recompute); fixed, peak RSS follows the tensors "
+            "(`revffn.reports.bench.ALLOC_ENV`)."]
 
 
 def _pyplot():
@@ -121,8 +149,8 @@ def plot_bench(data: dict, path: Path) -> None:
     for ax, key, scale, label in ((axes[0], "peak_mem_bytes", MiB, "peak memory (MiB)"),
                                   (axes[1], "tokens_per_s", 1, "tokens / s")):
         vals = [r[key] / scale if r.get("status") == "ok" and r.get(key) else 0 for r in rows]
-        colors = ["tab:red" if n == "revffn" else "tab:gray" if r.get("status") != "ok" else "tab:blue"
-                  for n, r in zip(names, rows)]
+        colors = ["tab:red" if n == "revffn" else "tab:gray" if r.get("status") != "ok" else
+                  "tab:green" if r.get("peer") else "tab:blue" for n, r in zip(names, rows)]
         ax.barh(names, vals, color=colors)
         ax.invert_yaxis()
         ax.set_xlabel(label)
@@ -184,12 +212,7 @@ def ranks_markdown(data: dict) -> str:
                                        "the imports (a rank's includes the process group and the gathered units)")
              + ". `--batch` is per rank: every rank steps batch x seq tokens of its own, and the one-process run "
              "steps one such batch, so its activations are one rank's; tokens/s of all ranks is their sum."]
-    env = data["run_info"].get("worker_env")
-    if env and not cuda:
-        notes += ["", "Every process ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + ": with glibc's "
-                  "default, a freed block raises malloc's mmap threshold and later blocks of its size stay resident "
-                  "once freed, so a rank's RSS grows step after step past what its tensors hold (FSDP's gather and "
-                  "reduce-scatter buffers); fixed, peak RSS follows the tensors (`revffn.reports.bench.NPROC_ENV`)."]
+    notes += _alloc_note(data, cuda)
     bad = [{**r["one_process"], "method": f"{r['method']} (1 process)"} for r in rows
            if (r.get("one_process") or {}).get("status") not in (None, "ok")]
     return "\n".join(lines + by_kind + speed + notes + failures(rows + bad)) + "\n"
@@ -255,20 +278,48 @@ def sweep_markdown(data: dict) -> str:
     if growth:
         lines += ["", f"### Growth of saved-for-backward bytes: {var}={values[-1]} ÷ {var}={values[0]}", "",
                   "| method | ratio |", "|---|---:|", *growth]
+    peer = peer_ckpt(rows)
+    if peer:
+        lines += ["", f"### Against {peer['method']} ({peer['trainer']} with gradient checkpointing)", "",
+                  head, rule]
+        for m in (m for m in methods if m != peer["method"]):
+            for key, what in (("peak_mem_bytes", "peak mem"), ("tokens_per_s", "tokens/s")):
+                pairs = zip(_series(rows, m, key, values), _series(rows, peer["method"], key, values))
+                lines.append(f"| {m}: {what} ÷ peer's | " + " | ".join(_ratio(a, b) for a, b in pairs) + " |")
+        cross = crossover(rows, peer["method"], values)
+        lines += ["", f"RevFFN's peak memory is below {peer['method']}'s from {var}={cross} on." if cross is not None
+                  else f"RevFFN's peak memory is not below {peer['method']}'s at any {var} measured."]
     return "\n".join(lines + failures(rows, var)) + "\n"
 
 
+def crossover(rows: list[dict], peer: str, values: list[int], method: str = "revffn"):
+    """The first value from which `method`'s peak memory stays below `peer`'s (None: nowhere)."""
+    ours, theirs = _series(rows, method, "peak_mem_bytes", values), _series(rows, peer, "peak_mem_bytes", values)
+    below = [a is not None and b is not None and a < b for a, b in zip(ours, theirs)]
+    for i in range(len(values)):
+        if all(below[i:]):
+            return values[i]
+    return None
+
+
 def plot_sweep(data: dict, path: Path) -> None:
-    """sweep.png: peak memory and saved-for-backward bytes vs the swept variable, one line per method."""
+    """sweep.png: peak memory, saved-for-backward bytes and tokens/s vs the swept variable, one line per method
+    (and peer); with a peer, a dotted line where RevFFN's peak memory drops below the peer's checkpointing."""
     plt = _pyplot()
     rows, var, values = data["results"], data["sweep"]["variable"], data["sweep"]["values"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label in ((axes[0], "peak_mem_bytes", "peak memory (MiB)"),
-                           (axes[1], "activation_bytes", "saved for backward (MiB)")):
+    peer = peer_ckpt(rows)
+    cross = crossover(rows, peer["method"], values) if peer else None
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    for ax, key, label, scale in ((axes[0], "peak_mem_bytes", "peak memory (MiB)", MiB),
+                                  (axes[1], "activation_bytes", "saved for backward (MiB)", MiB),
+                                  (axes[2], "tokens_per_s", "tokens / s", 1)):
         for m in methods:
-            ys = [None if y is None else y / MiB for y in _series(rows, m, key, values)]
-            ax.plot(values, ys, marker="o", label=m, linewidth=2.5 if m == "revffn" else 1.2)
+            ys = [None if y is None else y / scale for y in _series(rows, m, key, values)]
+            style = "--" if any(r.get("peer") for r in rows if r["method"] == m) else "-"
+            ax.plot(values, ys, style, marker="o", label=m, linewidth=2.5 if m == "revffn" else 1.2)
+        if cross is not None and key != "activation_bytes":
+            ax.axvline(cross, color="tab:red", linestyle=":", label=f"revffn below {peer['method']}")
         if key == "activation_bytes" and "revffn" in methods:
             ys = [None if y is None else y / MiB for y in _series(rows, "revffn", "routing_record_bytes", values)]
             ax.plot(values, ys, "k--", marker="x", label="revffn routing records (apart)")
