@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--distributed", default=None, help="fsdp (default with --nproc 2+) | ddp")
     b.add_argument("--peers", default="", metavar="PEER[,PEER]", help="also run the tools users would run instead, "
                    "each without and with gradient checkpointing: hf-trainer (transformers.Trainer), trl-sft "
-                   "(TRL's SFTTrainer, where installed)")
+                   "(TRL's SFTTrainer, where installed); NAME+ckpt: only the run with checkpointing")
     b.add_argument("--sweep", default=None, metavar="VAR=V1,V2,...", help="layers=4,8,16 | seq=256,512 | batch=... "
                    "| hidden=...: every method at every value; writes sweep.json/md/png")
     b.add_argument("--out", default=None, help="output directory")

@@ -44,6 +44,10 @@ from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
 TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
+# The MoE branch's backward recompute by chunks of this many tokens (`RevBlock`'s chunked G): its working set is
+# then one chunk's. At 4 x 2048 tokens on the CPU bench's 16-layer profile it takes RevFFN's peak from 657 to
+# 579 MiB at the same tokens/s (docs/benchmarks.md); below 4096 tokens a step is one chunk, as before.
+RECOMPUTE_CHUNK_TOKENS = 4096
 
 
 class RevFFNMethod(Method):
@@ -74,9 +78,10 @@ class RevFFNMethod(Method):
                                 "twin (every layer's graph kept)", min=0.0),
         "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
                             "(a frozen copy of the weights: +1x weights memory)", min=0.0),
-        "recompute_chunk_tokens": Key(int, 0, "backward: recompute and back-propagate each layer's MoE branch by "
-                                      "chunks of N tokens, so its working set is one chunk's (0: the whole batch; "
-                                      "a layer whose MoE branch draws random numbers is recomputed whole)", min=0),
+        "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: recompute and back-propagate each "
+                                      "layer's MoE branch by chunks of N tokens, so its working set is one chunk's "
+                                      "(0: the whole batch; a layer whose MoE branch draws random numbers is "
+                                      "recomputed whole)", min=0),
     }
     ESTIMATE_OPTIONS = {
         "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
@@ -85,8 +90,8 @@ class RevFFNMethod(Method):
         "adapter_skip": Key(bool, True, "the 2 skip adapters per layer"),
         "stream_width": Key(str, "full", "full: two d-wide streams; half: two d/2 ones", choices=STREAM_WIDTHS),
         "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
-        "recompute_chunk_tokens": Key(int, 0, "backward: the MoE branch recomputed by chunks of N tokens (0: whole)",
-                                      min=0),
+        "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: the MoE branch recomputed by chunks of "
+                                      "N tokens (0: whole)", min=0),
     }
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
     converted_from: str | None = None  # set by `prepare` when the model came converted
@@ -300,7 +305,7 @@ class RevFFNMethod(Method):
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
                      adapter_skip: bool = True, distill_coef: float = 0.0,
-                     recompute_chunk_tokens: int = 0, stream_width: str = "full") -> MemoryTerms:
+                     recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full") -> MemoryTerms:
         """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
         (`compact_index_dtype` per token and choice), plus the mask and what outside the layers saves.
         Backward: one layer's full-width working set, plus the adapters' inputs (and the load-balancing

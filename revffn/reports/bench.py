@@ -108,9 +108,10 @@ def check_peers(peers: list[str], nproc: int) -> None:
     """`--peers`: known names, an installed trainer, one process (UserError otherwise)."""
     import importlib.util
 
-    for p in peers:
+    for p in (p.removesuffix(CKPT_SUFFIX) for p in peers):
         if p not in PEERS:
-            raise UserError(f"--peers: unknown peer {p!r}.{closest(p, PEERS)} Fix: one or more of {', '.join(PEERS)}.")
+            raise UserError(f"--peers: unknown peer {p!r}.{closest(p, PEERS)} Fix: one or more of {', '.join(PEERS)} "
+                            f"(NAME{CKPT_SUFFIX}: only its run with gradient checkpointing).")
         if p == "trl-sft" and importlib.util.find_spec("trl") is None:
             raise UserError("--peers trl-sft: TRL is not installed. Fix: pip install trl, or --peers hf-trainer.")
     if peers and nproc > 1:
@@ -119,8 +120,8 @@ def check_peers(peers: list[str], nproc: int) -> None:
 
 
 def peer_labels(peers: list[str]) -> list[str]:
-    """Each peer's two rows: without and with gradient checkpointing."""
-    return [label for p in peers for label in (p, p + CKPT_SUFFIX)]
+    """Each peer's two rows, without and with gradient checkpointing (`NAME+ckpt`: the latter only)."""
+    return [label for p in peers for label in ([p] if p.endswith(CKPT_SUFFIX) else [p, p + CKPT_SUFFIX])]
 
 
 def _strategy(nproc: int, distributed: str | None, device: str) -> str:

@@ -62,6 +62,8 @@ from revffn.training.parallel import (
 )
 from revffn.training.report import write_run_report
 from revffn.training.setup import (
+    RunLock,
+    check_output_dir,
     clear_run,
     model_overrides,
     prepare_run,
@@ -251,9 +253,45 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     main = is_main_process()
-    if main:
-        _open_run_dir(cfg, plan, restarts)
-        _log_resume(cfg, plan, restarts, restart_error)
+    lock = lock_run_dir(cfg, plan) if main else None
+    agree_on_lock(True, plan)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
+    try:
+        if main:
+            _open_run_dir(cfg, plan, restarts)
+            _log_resume(cfg, plan, restarts, restart_error)
+        return _train(cfg, plan, restarts, fault, main)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_run_dir(cfg, plan) -> RunLock:
+    """The run directory's `RunLock`, and the check that needs it held: a run that another process started
+    since `prepare_run` looked is seen now. A UserError (held elsewhere, or a run there now) is raised on every
+    rank under torchrun (`agree_on_lock`)."""
+    lock = None
+    try:
+        lock = RunLock(plan.run_dir).acquire()
+        check_output_dir(cfg, plan.run_dir, plan.resume_from)
+    except UserError as e:
+        if lock is not None:
+            lock.release()
+        agree_on_lock(False, plan, str(e))
+        raise
+    return lock
+
+
+def agree_on_lock(held: bool, plan, error: str = "") -> None:
+    """Under torchrun, every rank learns whether rank 0 holds the run directory; the others raise its error."""
+    if data_shard()[1] <= 1:
+        return
+    verdict = [error if not held else ""]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise UserError(verdict[0])
+
+
+def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
     summary: dict = {"status": "running", "restarts": restarts}
     recipe = Recipe(cfg, plan, fault)
     try:

@@ -9,9 +9,12 @@ the check are rolled back over (`RunPlan.rejected`; the loop records it in event
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +112,47 @@ def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
     if resume_from is None and _holds_run(run_dir) and not cfg.overwrite:
         raise UserError(f"output_dir: {str(run_dir)!r} already holds a run. Nothing was touched. Fix: set "
                         "resume=true to continue it, overwrite=true to replace it, or choose another output_dir.")
+
+
+LOCK_FILE = ".revffn.lock"  # in output_dir: who holds the run (pid, host, start), flock'ed for the run
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a run writes there (`fcntl.flock` on
+    `output_dir/.revffn.lock`, which names its holder). Taken by the process that writes the run's files (rank 0
+    under torchrun) before anything in the directory is touched, so a second start, an `overwrite=true` or a
+    resume of a live run exits 2 instead of interleaving with it or deleting its files. The kernel drops the lock
+    when its process ends, however it ends: a killed run leaves no stale lock behind."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.fd = Path(run_dir), None
+
+    def acquire(self) -> RunLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace")
+            os.close(fd)
+            try:
+                h = json.loads(holder)
+                who = f"pid {h['pid']} on {h['host']} since {h['started']}"
+            except (ValueError, KeyError, TypeError):
+                who = "another process"
+            raise UserError(f"output_dir: {str(self.run_dir)!r} is in use: held by {who}. Nothing was touched. Fix: "
+                            "wait for it to finish, or choose another output_dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def clear_run(run_dir: Path, keep_events: bool = False) -> None:

@@ -156,10 +156,9 @@ def test_revffn_recompute_chunks_shrink_the_moe_working_set(freeze_router):
     assert one < chunked < 0.6 * whole
     assert whole - chunked == pytest.approx(7 * (chunked - one), rel=1e-3)  # linear in the chunk
     assert working(N) == working(10**6) == whole  # a chunk of every token is the whole recomputation
-    est_whole = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router)
-    est_chunked = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router,
-                           recompute_chunk_tokens=4096)
-    assert est_whole["recompute_working_set"] == whole
+    est_whole = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router, recompute_chunk_tokens=0)
+    est_chunked = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router)  # 4096: the default
+    assert est_whole["recompute_working_set"] == whole and est_chunked["recompute_working_set"] == chunked
     assert est_whole["total"] - est_chunked["total"] == pytest.approx((whole - chunked) * 1.05, rel=1e-6)
     assert any("chunks of 4096 tokens" in n for n in est_chunked["notes"])
     with pytest.raises(UserError, match="recompute_chunk_tokens"):

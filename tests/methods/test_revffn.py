@@ -105,19 +105,19 @@ def test_distill_memory_is_one_more_copy_of_the_weights():
 
 def test_recompute_chunk_tokens_reaches_the_backward_and_the_estimate():
     """revffn.recompute_chunk_tokens: the converted model recomputes its MoE branches by chunks in the
-    training step's backward (2 x 24 tokens by 16: 3 chunks per layer); 0, the default, does not."""
+    training step's backward (2 x 24 tokens by 16: 3 chunks per layer); the default, 4096, leaves a batch of fewer
+    tokens whole, and 0 never chunks."""
     _, run = _run("revffn.adapter_warmup_steps=0", "revffn.recompute_chunk_tokens=16")
     assert run.model.recompute_chunk_tokens == 16
     train_step(run, 0, [batch(vocab=500)])
     assert run.model.last_stack_stats["recompute_chunks"] == {0: 3, 1: 3}
-    cfg, run = _run("revffn.adapter_warmup_steps=0")
-    assert run.model.recompute_chunk_tokens == 0
-    train_step(run, 0, [batch(vocab=500)])
-    assert "recompute_chunks" not in run.model.last_stack_stats
-    cls = method_class("revffn")
-    assert cls.estimate_options(cfg.section("revffn"))["recompute_chunk_tokens"] == 0
-    cfg = load_config(None, [*TINY, "revffn.adapter_warmup_steps=0", "revffn.recompute_chunk_tokens=4096"])
-    assert cls.estimate_options(cfg.section("revffn"))["recompute_chunk_tokens"] == 4096
+    for option, chunk in (([], 4096), (["revffn.recompute_chunk_tokens=0"], 0)):
+        cfg, run = _run("revffn.adapter_warmup_steps=0", *option)
+        assert run.model.recompute_chunk_tokens == chunk
+        train_step(run, 0, [batch(vocab=500)])
+        assert "recompute_chunks" not in run.model.last_stack_stats
+        cls = method_class("revffn")
+        assert cls.estimate_options(cfg.section("revffn"))["recompute_chunk_tokens"] == chunk
 
 
 @pytest.mark.integration

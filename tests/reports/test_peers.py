@@ -67,6 +67,13 @@ def test_bad_peers_exit_2(tmp_path, argv, says, capsys):
     assert not (tmp_path / "bench.json").exists()
 
 
+def test_a_peer_with_ckpt_names_only_that_run():
+    from revffn.reports.bench import check_peers, peer_labels
+
+    check_peers(["hf-trainer+ckpt"], 1)
+    assert peer_labels(["hf-trainer+ckpt", "trl-sft"]) == ["hf-trainer+ckpt", "trl-sft", "trl-sft+ckpt"]
+
+
 def test_trl_peer_needs_trl(tmp_path, capsys, monkeypatch):
     import importlib.util
 

@@ -1,0 +1,87 @@
+"""The run directory is locked for the whole run: a second start, an overwrite or a resume of a live run exits 2
+and touches nothing; two simultaneous starts make exactly one run, whose metrics are an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from revffn import cli
+from revffn.training.setup import LOCK_FILE, RunLock
+
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:quickstart_train",
+        "eval_data=null", "eval_generate_limit=0", "max_steps=3", "logging_steps=1", "save_steps=0",
+        "per_device_train_batch_size=2", "max_seq_length=32", "dtype=float32", "device=cpu", "method=full"]
+
+
+def _files(run_dir) -> dict[str, float]:
+    """Every file of the run and its mtime (the lock file itself aside: holding it writes the holder's name)."""
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(run_dir.rglob("*")) if p.name != LOCK_FILE}
+
+
+def _losses(run_dir) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_a_live_run_blocks_a_second_start_an_overwrite_and_a_resume(tmp_path, capsys):
+    run_dir, args = tmp_path / "run", [*TINY, "save_steps=2"]  # (a checkpoint to resume from)
+    assert cli.main(["train", *args, f"output_dir={run_dir}"]) == 0
+    before = _files(run_dir)
+    lock = RunLock(run_dir).acquire()  # as a live run holds it
+    try:
+        for extra, says in (([], "already holds a run"), (["overwrite=true"], f"held by pid {os.getpid()}"),
+                            (["resume=true"], f"held by pid {os.getpid()}")):
+            assert cli.main(["train", *args, f"output_dir={run_dir}", *extra]) == 2, extra
+            err = capsys.readouterr().err
+            assert says in err and "Fix:" in err, err
+            assert _files(run_dir) == before, extra  # nothing deleted, nothing written
+    finally:
+        lock.release()
+    assert cli.main(["train", *args, f"output_dir={run_dir}", "resume=true"]) == 0  # released: it runs
+
+
+def test_a_lock_names_its_holder_and_dies_with_its_process(tmp_path):
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from revffn.training.setup import RunLock; "
+                              f"RunLock({str(run_dir)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(Exception, match=f"held by pid {child.pid} on "):
+            RunLock(run_dir).acquire()
+    finally:
+        child.kill()
+        child.wait()
+    RunLock(run_dir).acquire().release()  # the kernel dropped the dead holder's lock: no stale lock
+    assert oct((run_dir / LOCK_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+def _race(tmp_path, times: int) -> None:
+    reference = tmp_path / "reference"
+    assert cli.main(["train", *TINY, f"output_dir={reference}"]) == 0
+    for i in range(times):
+        run_dir = tmp_path / f"race{i}"
+        procs = [subprocess.Popen([sys.executable, "-m", "revffn", "train", *TINY, f"output_dir={run_dir}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+        codes = sorted(rc for rc, _ in results)
+        assert codes == [0, 2], results
+        loser = next(err for rc, err in results if rc == 2)
+        assert "output_dir" in loser and "Traceback" not in loser, loser
+        assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-6)  # one run, uninterrupted, in order
+
+
+@pytest.mark.integration
+def test_simultaneous_starts_make_exactly_one_run(tmp_path):
+    _race(tmp_path, 3)
+
+
+@pytest.mark.slow
+def test_simultaneous_starts_make_exactly_one_run_20_times(tmp_path):
+    _race(tmp_path, 20)
