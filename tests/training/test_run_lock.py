@@ -20,7 +20,8 @@ TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size
 
 def _files(run_dir) -> dict[str, float]:
     """Every file of the run and its mtime (the lock file aside: holding it writes the holder's name)."""
-    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(run_dir.rglob("*")) if p.name != LOCK_FILE}
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(run_dir.rglob("*"))
+            if p.name != LOCK_FILE}
 
 
 def _losses(run_dir) -> list[tuple[int, float]]:
