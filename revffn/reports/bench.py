@@ -209,7 +209,6 @@ def estimate_fields(args: dict) -> dict:
 # A fixed threshold returns every block over 128 KiB on free, so peak RSS follows the tensors: every
 # CPU worker, revffn's and the peers', runs with it.
 ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-NPROC_ENV = ALLOC_ENV  # (the name --nproc benches recorded it under)
 MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
                   "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total")
 
@@ -304,7 +303,7 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
     """One result row: the worker's measurement (`runner`, default `run_worker`; `env`: extra
     environment of its processes), its static bytes, and the estimate. With `spec.nproc` > 1, each
     rank's static bytes and the same method in one process (`one_process`, measured first), to which
-    each rank's static bytes and peak are compared; both under `NPROC_ENV`."""
+    each rank's static bytes and peak are compared; on CPU both under `ALLOC_ENV`."""
     one = None
     env = env or (ALLOC_ENV if spec.device == "cpu" or spec.nproc > 1 else None)
     if spec.nproc > 1:

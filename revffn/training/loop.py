@@ -254,7 +254,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     main = is_main_process()
     lock = lock_run_dir(cfg, plan) if main else None
-    agree_on_lock(True, plan)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
+    agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
     try:
         if main:
             _open_run_dir(cfg, plan, restarts)
@@ -276,12 +276,12 @@ def lock_run_dir(cfg, plan) -> RunLock:
     except UserError as e:
         if lock is not None:
             lock.release()
-        agree_on_lock(False, plan, str(e))
+        agree_on_lock(False, str(e))
         raise
     return lock
 
 
-def agree_on_lock(held: bool, plan, error: str = "") -> None:
+def agree_on_lock(held: bool, error: str = "") -> None:
     """Under torchrun, every rank learns whether rank 0 holds the run directory; the others raise its error."""
     if data_shard()[1] <= 1:
         return

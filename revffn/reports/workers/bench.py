@@ -178,18 +178,22 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         threads=torch.get_num_threads(), loss=float(loss),
         geometry={k: getattr(hf.config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
     )
-    if probe.cuda:
-        row["gpu"] = torch.cuda.get_device_name(device)
-        row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-        row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    else:
-        row["peak_mem_bytes"] = peak_rss_bytes() - baseline_rss if baseline_rss is not None else None
-        row["baseline_rss_bytes"] = baseline_rss
-    return row
+    return {**row, **peak_memory(device, baseline_rss)}
 
 
-def run(args: dict, baseline_rss: int | None = None) -> dict:
-    """`measure` with the failure kinds of the bench: status ok, oom or error (with its message)."""
+def peak_memory(device: torch.device, baseline_rss: int | None) -> dict:
+    """The row's peak: CUDA max allocated (and reserved) since the reset, or on CPU the process peak RSS minus
+    the RSS after the imports."""
+    if device.type == "cuda":
+        return {"gpu": torch.cuda.get_device_name(device), "peak_mem_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return {"peak_mem_bytes": peak_rss_bytes() - baseline_rss if baseline_rss is not None else None,
+            "baseline_rss_bytes": baseline_rss}
+
+
+def run(args: dict, baseline_rss: int | None = None, measure=measure) -> dict:
+    """`measure` (this worker's, or a peer's) with the failure kinds of the bench: status ok, oom or error
+    (with its message)."""
     t0 = time.perf_counter()
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))

@@ -34,10 +34,11 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from revffn.memory.measure import current_rss_bytes, peak_rss_bytes
+from revffn.memory.measure import current_rss_bytes
 from revffn.models.loading import build_hf
 from revffn.reports.bench import train_config
-from revffn.reports.workers.bench import LiveSavedTensorLog, _state_bytes, _tensor_bytes
+from revffn.reports.workers import bench as bench_worker
+from revffn.reports.workers.bench import LiveSavedTensorLog, _state_bytes, _tensor_bytes, peak_memory
 from revffn.training.setup import pick_device
 
 PEERS = {"hf-trainer": "transformers.Trainer", "trl-sft": "trl.SFTTrainer"}
@@ -154,29 +155,12 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
            "loss": losses[-1] if losses else None, "versions": {"transformers": transformers.__version__},
            "geometry": {k: getattr(hf.config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}}
     row["optimizer_state_bytes_total"] = row["optimizer_state_bytes"]
-    if device.type == "cuda":
-        row["gpu"] = torch.cuda.get_device_name(device)
-        row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-        row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    else:
-        row["peak_mem_bytes"] = peak_rss_bytes() - baseline_rss if baseline_rss is not None else None
-        row["baseline_rss_bytes"] = baseline_rss
-    return row
+    return {**row, **peak_memory(device, baseline_rss)}
 
 
 def run(args: dict, baseline_rss: int | None = None) -> dict:
-    """`measure` with the bench's failure kinds: status ok, oom or error (with its message)."""
-    t0 = time.perf_counter()
-    if args.get("threads"):
-        torch.set_num_threads(int(args["threads"]))
-    try:
-        row = {"method": args["label"], "status": "ok", **measure(args, baseline_rss)}
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        row = {"method": args["label"], "status": "oom", "error": f"{type(e).__name__}: {str(e)[:500]}"}
-    except Exception as e:  # a failed peer is a row, not a crash of the bench
-        row = {"method": args["label"], "status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"}
-    row["wall_s"] = time.perf_counter() - t0
-    return row
+    """The peer's `measure` with the bench's failure kinds (`workers.bench.run`), its row named by its label."""
+    return {**bench_worker.run(args, baseline_rss, measure), "method": args["label"]}
 
 
 def main(argv: list[str] | None = None) -> int:
