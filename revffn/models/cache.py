@@ -17,7 +17,10 @@ are not needed; revffn reads the GGUF with transformers and `gguf`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -44,25 +47,127 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "revffn"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _owner(path: Path) -> int | None:
+    """The pid in a staged name `.tmp-NAME-PID-…` / `.old-NAME-PID`, or None."""
+    try:
+        return int(path.name.rsplit("-", 2)[-2 if path.name.startswith(".tmp-") else -1])
+    except (ValueError, IndexError):
+        return None
+
+
+def sweep_staged(out: Path) -> list[str]:
+    """Finish or roll back a swap of `out` (`staged_dir`) that a killed process left half done; returns what it
+    did, one line each. Only the leftovers of processes that are gone on this host are touched:
+
+    - `out` missing and `.old-NAME-PID` present (killed between the two renames): the old one goes back;
+    - `.old-NAME-PID` beside a present `out` (killed after the swap): deleted;
+    - `.tmp-NAME-PID-…` (killed while writing, or holding the old one after an exchange): deleted."""
+    out = Path(out)
+    done: list[str] = []
+    if not out.parent.is_dir():
+        return done
+    dead = lambda p: (pid := _owner(p)) is not None and pid != os.getpid() and not _pid_alive(pid)  # noqa: E731
+    olds = sorted((p for p in out.parent.glob(f".old-{out.name}-*") if dead(p)), key=lambda p: p.stat().st_mtime)
+    if olds and not out.exists():
+        olds.pop().rename(out)
+        done.append(f"{out}: a swap was interrupted between its renames; the previous {out.name}/ is back")
+    for p in olds + [p for p in out.parent.glob(f".tmp-{out.name}-*") if dead(p)]:
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"{out}: removed {p.name}, left by an interrupted write")
+    return done
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync(Path(dirpath) / f)
+        _fsync(Path(dirpath))
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)  # the C library this process already has loaded
+    except OSError:
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the OS or the file
+    system cannot, and nothing was done."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 @contextlib.contextmanager
-def staged_dir(out: Path):
-    """Yield an empty temporary directory beside `out`; on success it replaces `out` (renamed into place),
-    on any error it is removed and `out` is left as it was."""
+def staged_dir(out: Path, step=None):
+    """Yield an empty temporary directory beside `out`; on success it replaces `out`, on any error it is removed
+    and `out` is left as it was.
+
+    The swap: write `.tmp-NAME-PID-…` and fsync it (step 1); exchange it with `out` in one atomic rename (Linux
+    `renameat2(RENAME_EXCHANGE)`, step 2), so `out` is complete at every instant, old or new; delete the old one
+    (step 3). Where the exchange is not available: rename `out` to `.old-NAME-PID` (step 2), rename the new one
+    in (step 3), delete the old one (step 4); a process killed between those two renames leaves the old one
+    beside a missing `out`, which `sweep_staged` (run here first, and by every run start) puts back. `step(k)`,
+    if given, is called after each step (tests inject a kill there)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    sweep_staged(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the renamed directory is an ordinary one
+    mark = step or (lambda k: None)
     try:
         yield tmp
-        if out.exists():
+        _fsync_tree(tmp)
+        mark(1)
+        if not out.exists():
+            tmp.rename(out)
+        elif _exchange(tmp, out):
+            _fsync(out.parent)
+            mark(2)
+            shutil.rmtree(tmp, ignore_errors=True)  # the old one now
+            mark(3)
+        else:
             aside = out.with_name(f".old-{out.name}-{os.getpid()}")
             out.rename(aside)
-            tmp.rename(out)
+            try:
+                mark(2)
+                tmp.rename(out)
+            except BaseException:
+                aside.rename(out)
+                raise
+            _fsync(out.parent)
+            mark(3)
             shutil.rmtree(aside, ignore_errors=True)
-        else:
-            tmp.rename(out)
+            mark(4)
+        _fsync(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

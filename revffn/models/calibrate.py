@@ -168,6 +168,12 @@ def _fitted(block, name: str) -> list[torch.nn.Linear]:
     return [getattr(block, name)] + ([skip] if skip is not None else [])
 
 
+def _skip_features(skip: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a skip's weight multiplies: the stream itself, or the features a skip module declares."""
+    features = getattr(skip, "features", None)
+    return x if features is None else features(x)
+
+
 def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass: bool) -> None:
     """One pass over the calibration set: accumulate `fits` (adapter name -> RidgeFit) of the current layer."""
     block = model.blocks[inputs.layer]
@@ -184,10 +190,11 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
                 Y_1, _ = block(X_1, X_2, sctx)
             inputs_of = {"p_down_attn": s["p_down_attn"], "p_up_moe": Y_1, "p_down_moe": s["p_down_moe"]}
         if block.p_skip_attn is not None:  # the skip's input beside the branch output: one joint fit
-            inputs_of["p_down_attn"] = torch.cat([inputs_of["p_down_attn"].double(), X_2.double()], dim=-1)
+            inputs_of["p_down_attn"] = torch.cat([inputs_of["p_down_attn"].double(),
+                                                 _skip_features(block.p_skip_attn, X_2).double()], dim=-1)
         if block.p_skip_moe is not None:
-            inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), inputs_of["p_up_moe"].double()],
-                                                dim=-1)
+            skip_in = _skip_features(block.p_skip_moe, inputs_of["p_up_moe"])
+            inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), skip_in.double()], dim=-1)
         targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a_target - X_1),
                    "p_up_moe": (inputs_of["p_up_moe"], a),
                    "p_down_moe": (inputs_of["p_down_moe"], h_target - X_2)}

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.measure import peak_memory_bytes
+from revffn.models.cache import staged_dir, sweep_staged
 from revffn.models.generation import save_generation_config
 from revffn.training.checkpoint import clean_partial, load_checkpoint, read_trainer_state, save_checkpoint
 from revffn.training.config import TrainConfig, math_config
@@ -65,6 +66,7 @@ from revffn.training.setup import (
     RunLock,
     check_output_dir,
     clear_run,
+    mark_run,
     model_overrides,
     prepare_run,
     private_files,
@@ -216,22 +218,21 @@ class Recipe:
                          plan.tokenizer.pad_token_id, run.device, run.autocast)
 
     def export(self) -> Path:
-        """final/: the method's export and the tokenizer, written aside and renamed into place (by rank 0;
-        under FSDP the ranks first gather the model onto rank 0's host)."""
+        """final/: the method's export and the tokenizer, written aside and swapped into place (`staged_dir`:
+        a kill at any point leaves a complete final/, old or new), by rank 0; under FSDP the ranks first gather
+        the model onto rank 0's host."""
         run_dir = self.plan.run_dir
         if self.sharded:
             gather_full(self.run.model, keep=self.main)
         if not self.main:
             barrier()
             return run_dir / "final"
-        final, tmp = run_dir / "final", run_dir / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.run.method.export(self.run.model, tmp)
-        self.plan.tokenizer.save_pretrained(tmp)
-        save_generation_config(tmp, self.plan.tokenizer)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        final = run_dir / "final"
+        step = None if self.fault is None else (lambda k: self.fault("final", k))
+        with staged_dir(final, step) as tmp:
+            self.run.method.export(self.run.model, tmp)
+            self.plan.tokenizer.save_pretrained(tmp)
+            save_generation_config(tmp, self.plan.tokenizer)
         barrier()
         return final
 
@@ -253,7 +254,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     main = is_main_process()
-    lock = lock_run_dir(cfg, plan) if main else None
+    lock = lock_run_dir(cfg, plan, restarts) if main else None
     agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
     try:
         if main:
@@ -265,13 +266,19 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
             lock.release()
 
 
-def lock_run_dir(cfg, plan) -> RunLock:
-    """The run directory's `RunLock`, and the check that needs it held: a run that another process started
-    since `prepare_run` looked is seen now. A UserError (held elsewhere, or a run there now) is raised on every
-    rank under torchrun (`agree_on_lock`)."""
+def lock_run_dir(cfg, plan, restarts: int = 0) -> RunLock:
+    """The run directory's `RunLock`, and what needs it held: a final/ swap a killed run left half done is
+    finished or rolled back (`sweep_staged`), and a run that another process started since `prepare_run` looked
+    is seen now. A lock its holder never released (killed) is taken over, and that is logged in events.jsonl.
+    A UserError (held elsewhere, or a run there now) is raised on every rank under torchrun (`agree_on_lock`)."""
     lock = None
     try:
         lock = RunLock(plan.run_dir).acquire()
+        if lock.taken_over and not restarts:  # a restart follows its own killed attempt: logged as the restart
+            _event(plan.run_dir, {"event": "lock_taken_over", "holder": lock.taken_over[:200]},
+                   f"took over the run lock from a process that ended without releasing it ({lock.taken_over[:200]})")
+        for line in sweep_staged(plan.run_dir / "final"):  # a final/ swap a killed run left half done
+            _event(plan.run_dir, {"event": "final_swap_repaired", "what": line}, line)
         check_output_dir(cfg, plan.run_dir, plan.resume_from)
     except UserError as e:
         if lock is not None:
@@ -324,12 +331,14 @@ def _open_run_dir(cfg, plan, restarts: int) -> None:
         if cfg.overwrite:
             clear_run(run_dir, keep_events=restarts > 0)
         run_dir.mkdir(parents=True, exist_ok=True)
+        mark_run(run_dir)
         (run_dir / "config.yaml").write_text(saved_config_text(cfg))
         (run_dir / "metrics.jsonl").write_text("")
     else:  # resuming, possibly from a checkpoint path into a fresh output_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "config.yaml").exists():
             (run_dir / "config.yaml").write_text(saved_config_text(cfg))
+        mark_run(run_dir)
         (run_dir / "metrics.jsonl").touch()
     clean_partial(run_dir)
 

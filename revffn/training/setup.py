@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -50,8 +51,38 @@ class RunPlan:
     rejected: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
 
 
+RUN_MARKER = ".revffn-run"  # written when a run starts: what `overwrite=true` may clear is a revffn run's
+
+
 def _holds_run(run_dir: Path) -> bool:
-    return run_dir.is_dir() and any((run_dir / f).exists() for f in RUN_FILES)
+    return bool(run_files(run_dir))
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names in `run_dir` that a run writes (and `overwrite=true` would delete), as `ls` shows them."""
+    if not run_dir.is_dir():
+        return []
+    return [f + "/" * (run_dir / f).is_dir() for f in RUN_FILES if (run_dir / f).exists()]
+
+
+def is_revffn_run(run_dir: Path) -> bool:
+    """`run_dir` holds a run revffn wrote: its marker, or (a run from before the marker) a config.yaml that
+    names the run's method and output_dir beside a metrics.jsonl."""
+    if (run_dir / RUN_MARKER).is_file():
+        return True
+    config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if not (config.is_file() and metrics.is_file()):
+        return False
+    try:
+        head = config.read_text(errors="replace")[:100_000]
+    except OSError:
+        return False
+    return all(re.search(rf"^{key}:", head, re.M) for key in ("method", "output_dir"))
+
+
+def mark_run(run_dir: Path) -> None:
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    (run_dir / RUN_MARKER).write_text(json.dumps({"format": "revffn-run", "started": started}))
 
 
 def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -109,7 +140,13 @@ def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
     if blocker is not None:
         raise UserError(f"output_dir: {str(run_dir)!r} cannot be a directory: {str(blocker)!r} is a file. Fix: "
                         "choose another output_dir.")
-    if resume_from is None and _holds_run(run_dir) and not cfg.overwrite:
+    present = run_files(run_dir)
+    if present and not is_revffn_run(run_dir):
+        verb = "overwrite=true would delete" if cfg.overwrite else "the run would overwrite"
+        raise UserError(f"output_dir: {str(run_dir)!r} holds files that are not a revffn run ({', '.join(present)}): "
+                        f"{verb} them. Nothing was touched. Fix: choose another output_dir, or move those files "
+                        "away.")
+    if resume_from is None and present and not cfg.overwrite:
         raise UserError(f"output_dir: {str(run_dir)!r} already holds a run. Nothing was touched. Fix: set "
                         "resume=true to continue it, overwrite=true to replace it, or choose another output_dir.")
 
@@ -126,6 +163,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.run_dir, self.fd = Path(run_dir), None
+        self.taken_over: str | None = None  # after acquire: the holder a killed process left named in the file
 
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +180,8 @@ class RunLock:
                 who = "another process"
             raise UserError(f"output_dir: {str(self.run_dir)!r} is in use: held by {who}. Nothing was touched. Fix: "
                             "wait for it to finish, or choose another output_dir.") from None
+        left = os.pread(fd, 512, 0).decode(errors="replace")  # a holder that ended without release(): killed
+        self.taken_over = left or None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
@@ -150,13 +190,15 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty lock file: released cleanly (a killed holder leaves its name)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
 
 
 def clear_run(run_dir: Path, keep_events: bool = False) -> None:
-    """overwrite=true: remove a previous run's files (only ours); a restart keeps its event log."""
+    """overwrite=true: remove a previous run's files (only the ones a run writes, and only from a revffn run:
+    `check_output_dir` refused anything else); a restart keeps its event log."""
     for name in RUN_FILES:
         if keep_events and name == "events.jsonl":
             continue

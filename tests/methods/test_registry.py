@@ -57,7 +57,8 @@ def test_revffn_estimate_method_toy(toy, capsys):
     assert est["trainable_params"] == full["trainable_params"] - counts["embed"]
     assert est["activations"] < full["activations"] and est["total"] < full["total"]
     assert cli.main([*argv, "--option", "rank=4"]) == 2  # its ESTIMATE_OPTIONS (none) are what it accepts
-    assert "Allowed: attn_implementation, loss, offload, optimizer, optimizer_in_backward, padded." in capsys.readouterr().err
+    allowed = "Allowed: attn_implementation, loss, offload, optimizer, optimizer_in_backward, padded."
+    assert allowed in capsys.readouterr().err
 
 
 def test_its_estimate_agrees_with_the_bench(toy):

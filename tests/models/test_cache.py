@@ -136,3 +136,37 @@ def test_staged_dir_is_all_or_nothing(tmp_path):
         (tmp / "new.txt").write_text("new")
     assert [p.name for p in out.iterdir()] == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
     assert oct(out.stat().st_mode & 0o777) != oct(0o700)
+
+
+_SWAP_CHILD = """
+import os, sys
+from pathlib import Path
+from revffn.models import cache
+if sys.argv[3] == "fallback":
+    cache._exchange = lambda a, b: False  # as on a system without renameat2(RENAME_EXCHANGE)
+kill_at = int(sys.argv[2])
+with cache.staged_dir(Path(sys.argv[1]), lambda k: os._exit(9) if k == kill_at else None) as tmp:
+    (tmp / "model.txt").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("how", ["exchange", "fallback"])
+def test_a_kill_at_every_step_of_a_swap_leaves_the_old_or_the_new_directory(tmp_path, how):
+    """A process killed (os._exit: no handler runs) after each step of `staged_dir`'s swap leaves `out` complete,
+    old or new, once `sweep_staged` (which every later swap and run start runs) has looked; no leftovers stay."""
+    steps = 3 if how == "exchange" else 4
+    seen = set()
+    for kill_at in range(1, steps + 2):  # steps + 1: no kill
+        root = tmp_path / f"{how}{kill_at}"
+        out = root / "final"
+        out.mkdir(parents=True)
+        (out / "model.txt").write_text("old")
+        child = subprocess.run([sys.executable, "-c", _SWAP_CHILD, str(out), str(kill_at), how])
+        assert child.returncode == (9 if kill_at <= steps else 0), (kill_at, child.returncode)
+        if how == "exchange" or kill_at != 2:  # only the fallback's step 2 leaves `out` missing until the sweep
+            assert (out / "model.txt").read_text() in ("old", "new"), kill_at
+        cache.sweep_staged(out)
+        content = (out / "model.txt").read_text()
+        assert content in ("old", "new") and [p.name for p in root.iterdir()] == ["final"], (kill_at, content)
+        seen.add(content)
+    assert seen == {"old", "new"}

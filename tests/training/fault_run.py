@@ -4,7 +4,8 @@
     python tests/training/fault_run.py 'kill@save:9,raise@step:5' CONFIG.yaml ...
 
 SPEC is a comma-separated list of ACTION@POINT:STEP[:RANK]. POINT is `step` (after that optimizer
-step) or `save` (in the middle of writing that step's checkpoint). ACTION `kill` sends SIGKILL to this
+step), `save` (in the middle of writing that step's checkpoint) or `final` (after step N of the final/ swap,
+`models.cache.staged_dir`). ACTION `kill` sends SIGKILL to this
 process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank, a stalled
 step); `leak` makes a forward hook on every module keep its output from then on (debug code holding
 tensors: a memory leak). A restart of the run does not see a fault again: not in the same process,
@@ -32,8 +33,8 @@ def parse_fault(spec: str):
     for item in filter(None, spec.split(",")):
         action, where = item.split("@")
         point, at, *rank = where.split(":")
-        if action not in ("kill", "raise", "hang", "leak") or point not in ("step", "save") or len(rank) > 1:
-            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang|leak @ step|save : N [: RANK]")
+        if action not in ("kill", "raise", "hang", "leak") or point not in ("step", "save", "final") or len(rank) > 1:
+            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang|leak @ step|save|final : N [: RANK]")
         if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
             continue
         items.append((item, action, point, int(at)))

@@ -11,6 +11,7 @@ import yaml
 from revffn import cli
 from revffn.training.config import QUICKSTART
 from revffn.training.manifest import config_sha256
+from revffn.training.setup import RUN_MARKER
 from tests.training._util import TINY, files_state, flip_byte
 
 
@@ -147,9 +148,10 @@ def test_refuses_existing_run_and_touches_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("precious\n")
+    (run / RUN_MARKER).write_text("{}")  # a revffn run (without it, not a run: tests/training/test_run_dir.py)
     _fails(capsys, ["train", str(_cfg(tmp_path))], "already holds a run", "overwrite=true")
     assert (run / "metrics.jsonl").read_text() == "precious\n"
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER, "metrics.jsonl"]
 
 
 def _resume_fails(capsys, trained_run, tmp_path, over, *needles, damage=None):

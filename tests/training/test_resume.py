@@ -87,7 +87,8 @@ def test_damaged_latest_checkpoint_rolls_back(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert "checkpoint step-6 fails verification (model.safetensors: sha256 mismatch" in second.stderr
     assert "rolled back to step-3" in second.stderr
-    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    taken, *events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert taken["event"] == "lock_taken_over"  # the killed first run never released the run lock
     assert [(e["event"], e["from"], e["to"]) for e in events] == [("rollback", "step-6", "step-3")]
     assert events[0]["reason"].startswith("model.safetensors: sha256 mismatch")
     assert (run / "checkpoints" / "rejected-step-6" / "model.safetensors").exists()

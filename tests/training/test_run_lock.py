@@ -58,7 +58,12 @@ def test_a_lock_names_its_holder_and_dies_with_its_process(tmp_path):
     finally:
         child.kill()
         child.wait()
-    RunLock(run_dir).acquire().release()  # the kernel dropped the dead holder's lock: no stale lock
+    lock = RunLock(run_dir).acquire()  # the kernel dropped the killed holder's lock: taken over, its name kept
+    assert json.loads(lock.taken_over)["pid"] == child.pid
+    lock.release()
+    again = RunLock(run_dir).acquire()
+    assert again.taken_over is None  # released cleanly: nothing to take over
+    again.release()
     assert oct((run_dir / LOCK_FILE).stat().st_mode & 0o777) == "0o600"
 
 

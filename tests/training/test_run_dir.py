@@ -1,0 +1,74 @@
+"""What a run may do to its output_dir: `overwrite=true` clears only a revffn run (its marker), anything else exits
+2 naming what would have been deleted; final/ is swapped so that a kill at any step leaves a loadable one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from revffn import cli
+from revffn.training.setup import RUN_MARKER
+
+FAULT_RUN = Path(__file__).with_name("fault_run.py")
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:quickstart_train",
+        "eval_data=null", "eval_generate_limit=0", "logging_steps=1", "per_device_train_batch_size=2",
+        "max_seq_length=32", "dtype=float32", "device=cpu", "method=full"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("extra", [[], ["overwrite=true"]])
+def test_a_directory_that_is_not_a_run_is_never_written_nor_deleted(tmp_path, capsys, extra):
+    run_dir = tmp_path / "thesis"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "report.md").write_text("my report")
+    (run_dir / "final" / "thesis.txt").write_text("four years")
+    before = _tree(run_dir)
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "not a revffn run (final/, report.md)" in err and "Nothing was touched" in err and "Fix:" in err, err
+    assert "Traceback" not in err and _tree(run_dir) == before
+
+
+def test_a_revffn_run_is_marked_and_overwrite_replaces_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}"]) == 0
+    assert json.loads((run_dir / RUN_MARKER).read_text())["format"] == "revffn-run"
+    assert cli.main(["train", *TINY, "max_steps=2", f"output_dir={run_dir}", "overwrite=true"]) == 0
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in rows if "loss" in line]
+    assert steps == [1, 2]
+    (run_dir / RUN_MARKER).unlink()  # a run written before the marker: its config.yaml and metrics.jsonl say so
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", "overwrite=true"]) == 0
+
+
+def _load(final: Path):
+    model = AutoModelForCausalLM.from_pretrained(final)
+    AutoTokenizer.from_pretrained(final)
+    return model
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_a_kill_at_every_step_of_the_final_swap_leaves_a_loadable_final(tmp_path, kill_at):
+    """A resumed run re-exports final/ over the old one; killed (SIGKILL) after step `kill_at` of the swap, final/
+    loads, old or new, and the next start finds nothing to repair or a leftover it removes."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, f"output_dir={run_dir}", "save_steps=2"]
+    assert cli.main(["train", *args, "max_steps=3"]) == 0  # checkpoint at step 2, final/ at 3
+    old = _load(run_dir / "final").state_dict()
+    child = subprocess.run([sys.executable, str(FAULT_RUN), f"kill@final:{kill_at}", *args, "max_steps=4",
+                            "resume=true"], capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-2000:]
+    now = _load(run_dir / "final").state_dict()
+    moved = any(not (now[k] == old[k]).all() for k in old)
+    assert moved == (kill_at >= 2)  # step 1: written aside; step 2 on: exchanged in
+    assert cli.main(["train", *args, "max_steps=4", "resume=true"]) == 0  # its start sweeps what the kill left
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".tmp-", ".old-"))) == []
+    _load(run_dir / "final")
