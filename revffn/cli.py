@@ -42,6 +42,27 @@ def _nonnegative(s: str) -> int:
     return v
 
 
+def _positive_float(s: str) -> float:
+    """A number > 0 (seconds, ...): NaN and inf refused too."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
+def _nonnegative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
+    return v
+
+
 def _heal_lr(s: str) -> float | None:
     """`auto` (None: measured, `training.conversion.probe_heal_lr`) or a positive learning rate."""
     if s == "auto":
@@ -335,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", help="float32 | bfloat16 (compute; streams stay fp32)")
     c.add_argument("--batch", type=_positive, default=2)
     c.add_argument("--seq", type=_positive, default=32)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=_nonnegative, default=0)
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
     c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
     c.add_argument("--stream-width", default="full", choices=["full", "half"], help="the reversible streams' width")
@@ -354,12 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=_positive, default=3, help="timed optimizer steps (after one warm-up step)")
     b.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16")
     b.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=_nonnegative, default=0)
     b.add_argument("--threads", type=_positive, default=None, help="torch threads per worker (default: torch's)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="training-config override for every method, e.g. revffn.stream_dtype=bfloat16")
-    b.add_argument("--timeout", type=float, default=None, help="seconds per method before it counts as an error")
-    b.add_argument("--nproc", type=int, default=1, help="torchrun ranks per method (--batch is per rank); with 2 "
+    b.add_argument("--timeout", type=_positive_float, default=None,
+                   help="seconds per method before it counts as an error")
+    b.add_argument("--nproc", type=_positive, default=1, help="torchrun ranks per method (--batch is per rank); with 2 "
                    "or more, each method is also measured in one process, for the per-rank ratio")
     b.add_argument("--distributed", default=None, help="fsdp (default with --nproc 2+) | ddp")
     b.add_argument("--peers", default="", metavar="PEER[,PEER]", help="also run the tools users would run instead, "
@@ -381,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hidden", type=_positive, default=None, help="override hidden_size")
     s.add_argument("--gpu-mem", default=None, help="e.g. 80GB or 80GiB: say whether it fits (fsdp: on how many "
                    "GPUs)")
-    s.add_argument("--world-size", type=int, default=1, help="data-parallel GPUs (default 1)")
+    s.add_argument("--world-size", type=_positive, default=1, help="data-parallel GPUs (default 1)")
     s.add_argument("--distributed", default="none", help="none | ddp | fsdp: the per-GPU memory of that "
                    "data-parallel strategy (default none)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -393,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "plain gradients")
     a.add_argument("--types", default=None, help="comma-separated model types, MoE or dense (default: every "
                    "causal-LM type)")
-    a.add_argument("--timeout", type=float, default=60.0, help="seconds per model type before it counts as a crash")
+    a.add_argument("--timeout", type=_positive_float, default=60.0,
+                   help="seconds per model type before it counts as a crash")
     a.add_argument("--out", default=None, metavar="FILE.md", help="write the Markdown table there (e.g. "
                    "docs/architectures.md)")
     a.add_argument("--json-out", default=None, metavar="FILE.json", help="also write the full JSON document there")
@@ -428,8 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-lr", type=_heal_lr, default=None, help="heal AdamW peak LR (cosine to a tenth); auto "
                    "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3, scored on a second heal batch")
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
-    k.add_argument("--heal-hidden-coef", type=float, default=0.0, help="add this x the per-layer hidden-state MSE to "
-                   "the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")
+    k.add_argument("--heal-hidden-coef", type=_nonnegative_float, default=0.0, help="add this x the per-layer "
+                   "hidden-state MSE to the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")
     k.add_argument("--no-adapter-skip", action="store_true", help="P_up / P_down only: no skip per branch "
                    "(revffn.adapter_skip: false)")
     k.add_argument("--stream-width", default="full", help="full (two d-wide streams, the default) | half (two d/2 "
@@ -437,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=_nonnegative, default=0)
     k.add_argument("--device", default="cpu", help="cpu | cuda | auto: where the model is calibrated, healed "
                    "and measured (a 30-layer model's calibration takes about 30 min on 2 CPU cores)")
     k.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -452,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--arch", default="mixtral", choices=["mixtral", "qwen2_moe"], help="the MoE architecture "
                    "(default: %(default)s)")
     u.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
-    u.add_argument("--seed", type=int, default=0, help="router init seed")
+    u.add_argument("--seed", type=_nonnegative, default=0, help="router init seed")
     u.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     u.add_argument("--json", action="store_true", help="print the written revffn.json as one JSON object")
     u.set_defaults(fn=cmd_upcycle)
@@ -478,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="a data file (JSON/JSONL/parquet/arrow/csv), a save_to_disk "
                    "directory, hf:NAME[:CONFIG][@SPLIT] or builtin:NAME")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--limit", type=int, default=None, help="score at most N examples by exact match")
+    e.add_argument("--limit", type=_positive, default=None, help="score at most N examples by exact match")
     e.add_argument("--loglikelihoods", action="store_true", help="also report each example's summed log-prob of "
                    "its response given the prompt, as lm-eval scores it (README: Outputs of a run)")
     e.add_argument("--match", choices=("exact", "contains"), default="exact",

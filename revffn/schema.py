@@ -8,6 +8,7 @@ schema and every method's `SCHEMA`.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,19 @@ class Key:
     choices: tuple | None = None
     required: bool = False
     multiple: bool = False  # a comma-separated list of `choices` ("tensorboard,wandb"); a YAML list is joined
+    path: bool = False  # a file or directory: `KEY=VALUE` on the command line is that string, as written
+
+
+SHOWN_CHARS = 200  # at most this much of a value in a message
+_REPR = reprlib.Repr()  # (attributes, not keywords: Python 3.11)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, 40
+_REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = 8
+
+
+def shown(value) -> str:
+    """`repr(value)` cut to about SHOWN_CHARS characters, never expanding more of a nested value than that."""
+    text = _REPR.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def list_items(value: str) -> list[str]:
@@ -53,22 +67,22 @@ def check_value(name: str, value, key: Key) -> str | None:
     """A problem description for `value`, or None if it is valid."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
     if isinstance(value, bool) and bool not in types:
-        return f"{name}: expected {_type_names(types)}, got {value!r}."
+        return f"{name}: expected {_type_names(types)}, got {shown(value)}."
     if not isinstance(value, types):
-        return f"{name}: expected {_type_names(types)}, got {value!r} ({type(value).__name__})."
+        return f"{name}: expected {_type_names(types)}, got {shown(value)} ({type(value).__name__})."
     if key.choices:
         for item in list_items(value) if key.multiple else [value]:
             if item not in key.choices:
-                return (f"{name}: {item!r} is not one of {', '.join(map(str, key.choices))}."
+                return (f"{name}: {shown(item)} is not one of {', '.join(map(str, key.choices))}."
                         f"{closest(str(item), key.choices)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
-            return f"{name}: must be a finite number, got {value!r}."
+            return f"{name}: must be a finite number, got {shown(value)}."
         if key.min is not None and (value < key.min or (key.min_exclusive and value == key.min)):
             op = ">" if key.min_exclusive else ">="
-            return f"{name}: must be {op} {key.min:g}, got {value!r}."
+            return f"{name}: must be {op} {key.min:g}, got {shown(value)}."
         if key.max is not None and value > key.max:
-            return f"{name}: must be <= {key.max:g}, got {value!r}."
+            return f"{name}: must be <= {key.max:g}, got {shown(value)}."
     return None
 
 

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from revffn.data.collate import _encode
+from revffn.data.collate import CHARS_PER_TOKEN_CAP, _encode
 from revffn.data.formats import load_examples
 from revffn.errors import UserError
 from revffn.models.teacher import sample_self
@@ -48,8 +48,9 @@ def file_rows(source: str, tokenizer, n_tokens: int | None, key: str, seed: int 
     """
     examples = load_examples(source, key)
     random.Random(seed).shuffle(examples)
-    flat = [t for e in examples for t in _encode(e, tokenizer)[0]]
     need = n_tokens if n_tokens is not None else seq_len
+    cap = need * CHARS_PER_TOKEN_CAP if n_tokens is not None else None  # a huge row costs the budget, not its size
+    flat = [t for e in examples for t in _encode(e, tokenizer, cap)[0]]
     if len(flat) < need:
         raise UserError(f"{key}: {source!r} holds {len(flat)} tokens, fewer than the {need} needed"
                         + (f" ({budget_key}={n_tokens})" if n_tokens else "")

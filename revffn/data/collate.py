@@ -31,9 +31,15 @@ class TokenizedDataset:
     stats: dict = field(default_factory=dict)
 
 
-def _encode(example: dict, tokenizer) -> tuple[list[int], list[int]]:
+CHARS_PER_TOKEN_CAP = 64  # a segment is cut at this many characters per token of max_seq_length before tokenizing
+
+
+def _encode(example: dict, tokenizer, max_chars: int | None = None) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one example; each rendered segment cut to `max_chars` first, so that a huge row (a 50 MB
+    line) costs memory bounded by the cap, not by the row, and truncates to the same first tokens (a token is
+    far fewer than CHARS_PER_TOKEN_CAP characters)."""
     segments = render_segments(example, tokenizer)
-    pieces = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
+    pieces = tokenizer([text[:max_chars] for text, _ in segments], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     labels: list[int] = []
     for (_, train), piece in zip(segments, pieces):
@@ -61,7 +67,7 @@ def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packi
         raise UserError(f"max_seq_length: must be at least 2, got {max_seq_length}. Fix: use e.g. 512.")
     items, n_truncated, n_dropped = [], 0, 0
     for example in examples:
-        ids, labels = _encode(example, tokenizer)
+        ids, labels = _encode(example, tokenizer, max_seq_length * CHARS_PER_TOKEN_CAP)
         if len(ids) > max_seq_length:
             ids, labels = ids[:max_seq_length], labels[:max_seq_length]
             n_truncated += 1

@@ -21,6 +21,7 @@ FILE:LINE (or SOURCE[INDEX]), the field and the fix.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def _element_lines(text: str) -> list[int]:
         _, pos = decoder.raw_decode(text, pos)
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
 def _str(rec: dict, field: str, where: str, optional: bool = False) -> str:
     value = rec.get(field)
     if value is None:
@@ -105,7 +109,7 @@ def _str(rec: dict, field: str, where: str, optional: bool = False) -> str:
     if not isinstance(value, str):
         raise UserError(f"{where}: field {field!r} must be a string, got {type(value).__name__} "
                         f"{json.dumps(value)[:60]}. Fix: quote the value or convert it to text.")
-    return value
+    return _SURROGATES.sub("\ufffd", value)  # a lone UTF-16 surrogate (valid JSON "\ud800") is no character
 
 
 def _message_list(value: object, field: str, where: str, role_key: str, content_key: str,

@@ -67,10 +67,11 @@ class RevFFNMethod(Method):
                             "d x d, no P_up) or half (d/2, the paper's; P_up and P_down per branch)",
                             choices=STREAM_WIDTHS),
         "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
-                                "builtin:NAME; general text, never the task data alone"),
+                                "builtin:NAME; general text, never the task data alone", path=True),
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
         "heal_data": Key(str, "self", "stage 1: text the adapters heal on by KL to the unconverted model: `self` "
-                         "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data"),
+                         "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data",
+                         path=True),
         "heal_norms": Key(bool, False, "stage 1: train the blocks' RMSNorm weights too (the teacher keeps the "
                           "original ones)"),
         "heal_hidden_coef": Key(float, 0.0, "stage 1: weight of the per-layer hidden-state loss (relative MSE to "

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from revffn.errors import UserError, closest
-from revffn.schema import Key, check_value, coerce
+from revffn.schema import SHOWN_CHARS, Key, check_value, coerce, shown
 from revffn.training.trackers import TRACKERS
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml"
@@ -23,13 +23,14 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.ya
 # Names follow LLaMA-Factory / TRL / HF TrainingArguments where one exists.
 SCHEMA: dict[str, Key] = {
     "model": Key(str, None, "builtin:base, preset name (tiny-qwen2-moe, ...) or local HF model directory",
-                 required=True),
+                 required=True, path=True),
     "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
     "method": Key(str, "revffn", "fine-tuning method (see the README's Methods table)"),
     "data": Key(str, None, "training data: a JSON/JSONL/parquet/arrow/csv file, a save_to_disk directory, "
-                "hf:NAME[:CONFIG][@SPLIT] or builtin:NAME (README: Data formats)", required=True),
-    "eval_data": Key((str, type(None)), None, "evaluation data (same formats); null for none"),
-    "output_dir": Key(str, None, "where config, metrics, checkpoints, final/ and the report go", required=True),
+                "hf:NAME[:CONFIG][@SPLIT] or builtin:NAME (README: Data formats)", required=True, path=True),
+    "eval_data": Key((str, type(None)), None, "evaluation data (same formats); null for none", path=True),
+    "output_dir": Key(str, None, "where config, metrics, checkpoints, final/ and the report go", required=True,
+                      path=True),
     "overwrite": Key(bool, False, "allow starting a fresh run in an output_dir that holds one"),
     "max_steps": Key(int, None, "optimizer steps to run", min=1, required=True),
     "save_steps": Key(int, 0, "checkpoint every N steps (0: only the final model)", min=0),
@@ -40,7 +41,7 @@ SCHEMA: dict[str, Key] = {
                      "(output_dir/tensorboard) | wandb | mlflow (configured by their WANDB_* / MLFLOW_* variables)",
                      choices=("none", *TRACKERS), multiple=True),
     "seed": Key(int, 0, "seed for init, data order and dropout"),
-    "resume": Key((bool, str), False, "false | true (latest checkpoint in output_dir) | a checkpoint path"),
+    "resume": Key((bool, str), False, "false | true (latest checkpoint in output_dir) | a checkpoint path", path=True),
     "max_restarts": Key(int, 0, "restart from the last checkpoint after a crash, a kill or a stall, up to N "
                         "times (each attempt then runs in a child process)", min=0),
     "stall_timeout_s": Key(int, 1800, "seconds without a completed optimizer step (its eval and checkpoint "
@@ -87,7 +88,7 @@ SCHEMA: dict[str, Key] = {
                                "(a dead or hung rank)", min=1),
     "router_aux_loss_coef": Key((float, type(None)), None, "router load-balancing loss weight (null: model's)",
                                 min=0),
-    "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)"),
+    "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)", path=True),
     "eval_max_new_tokens": Key(int, 48, "greedy tokens generated per example for exact-match eval", min=1),
     "eval_generate_limit": Key(int, 64, "eval examples scored by exact match (0: none)", min=0),
 }
@@ -183,7 +184,7 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
         raise UserError(f"config file {str(path)!r} cannot be read ({e.strerror}). Fix: check its permissions.") \
             from None
     try:
-        data = yaml.safe_load(text)
+        data = bounded_yaml(text, str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -198,17 +199,59 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     return data, _key_lines(text)
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """`["a=1", "revffn.freeze_router=false"]` -> nested dict; values parsed as YAML scalars."""
+MAX_YAML_VALUES = 100_000  # the nodes a YAML document may hold once its aliases are expanded
+
+
+def _expanded(node, memo: dict, open_: set) -> int:
+    """How many nodes `node` stands for with every alias expanded (linear: each node is counted once)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    if id(node) in open_:  # an anchor inside itself: expands forever
+        return MAX_YAML_VALUES + 1
+    open_.add(id(node))
+    children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                else node.value if isinstance(node, yaml.SequenceNode) else [])
+    n = 1
+    for child in children:
+        n += _expanded(child, memo, open_)
+        if n > MAX_YAML_VALUES:
+            break
+    open_.discard(id(node))
+    memo[id(node)] = n
+    return n
+
+
+def bounded_yaml(text: str, where: str):
+    """`yaml.safe_load(text)`, refusing a document whose aliases expand past MAX_YAML_VALUES values (an alias
+    bomb: a few lines that expand to billions of values once anything walks them)."""
+    root = yaml.compose(text)
+    if root is not None and _expanded(root, {}, set()) > MAX_YAML_VALUES:
+        at = ""
+        if isinstance(root, yaml.MappingNode):  # name the key that holds it
+            big = max(root.value, key=lambda kv: _expanded(kv[1], {}, set()))
+            line = f":{big[0].start_mark.line + 1}" if "\n" in text.strip() else ""
+            at = f"{line}: {str(big[0].value)[:SHOWN_CHARS]}"
+        raise UserError(f"{where}{at}: its YAML aliases expand to more than {MAX_YAML_VALUES:,} values (an alias "
+                        "bomb?). Nothing was run. Fix: write the value out without anchors (&) and aliases (*).")
+    return yaml.safe_load(text)
+
+
+def parse_overrides(items: list[str], path_keys: frozenset[str] = frozenset()) -> dict:
+    """`["a=1", "revffn.freeze_router=false"]` -> nested dict; values parsed as YAML scalars, except those of
+    `path_keys` (file and directory keys), taken as the string written (a path may hold ` #`, quotes or
+    colons), unless the key also takes true/false/null and that is what was written."""
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise UserError(f"override {item!r} is not key=value. Fix: write it as e.g. max_steps=100.")
+            raise UserError(f"override {shown(item)} is not key=value. Fix: write it as e.g. max_steps=100.")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+        if key.strip() in path_keys and raw.strip().lower() not in ("true", "false", "null", "~", ""):
             value = raw
+        else:
+            try:
+                value = bounded_yaml(raw, f"override {key.strip()}") if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -241,8 +284,11 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
 
     src = Path(path) if path is not None else QUICKSTART
     data, lines = _read_yaml(src)
-    data = _merge(data, parse_overrides(overrides or []))
-    overridden = set(_dotted(parse_overrides(overrides or [])))
+    path_keys = frozenset([k for k, key in SCHEMA.items() if key.path] + [
+        f"{m}.{k}" for m, keys in method_section_schema().items() for k, key in keys.items() if key.path])
+    over = parse_overrides(overrides or [], path_keys)
+    data = _merge(data, over)
+    overridden = set(_dotted(over))
 
     def where(k: str) -> str:
         if k in overridden:
@@ -257,13 +303,13 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             continue
         if k in section_schemas:
             if not isinstance(v, dict):
-                problems.append(f"{where(k)}{k}: must be a mapping of method options, got {v!r}.")
+                problems.append(f"{where(k)}{k}: must be a mapping of method options, got {shown(v)}.")
                 continue
             sec = {}
             for sk, sv in v.items():
                 full = f"{k}.{sk}"
                 if sk not in section_schemas[k]:
-                    problems.append(f"{where(full)}unknown key {full!r}.{closest(sk, section_schemas[k])} "
+                    problems.append(f"{where(full)}unknown key {shown(full)}.{closest(sk, section_schemas[k])} "
                                     f"Known {k} keys: {', '.join(section_schemas[k])}.")
                     continue
                 sv = coerce(sv, section_schemas[k][sk])
@@ -274,7 +320,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             sections[k] = {sk: key.default for sk, key in section_schemas[k].items()} | sec
         else:
             known = list(SCHEMA) + list(section_schemas)
-            problems.append(f"{where(k)}unknown key {k!r}.{closest(k, known)} See README 'Config keys'.")
+            problems.append(f"{where(k)}unknown key {shown(k)}.{closest(str(k), known)} See README 'Config keys'.")
     for k, key in SCHEMA.items():
         if k not in data:
             if key.required:
@@ -288,7 +334,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
         values[k] = v
     method = values.get("method")
     if isinstance(method, str) and method not in METHODS:
-        problems.append(f"{where('method')}method: unknown method {method!r}.{closest(method, METHODS)} "
+        problems.append(f"{where('method')}method: unknown method {shown(method)}.{closest(method, METHODS)} "
                         f"Available: {', '.join(METHODS)}.")
     for name, schema in section_schemas.items():
         sections.setdefault(name, {sk: key.default for sk, key in schema.items()})

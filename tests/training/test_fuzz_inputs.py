@@ -40,11 +40,11 @@ def _snapshot(root: Path) -> dict:
     return {p: (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
-def _assert_refused(tmp_path: Path, capsys, argv: list[str]) -> str:
+def _assert_refused(tmp_path: Path, capsys, argv: list[str], output_dir: bool = True) -> str:
     """`revffn train ARGV output_dir=tmp/run`: exit 2, one error line, no traceback, nothing written."""
     out = tmp_path / "run"
     argv = [a.replace("OUT", str(out)) for a in argv]
-    if not any(a.startswith("output_dir=") for a in argv):
+    if output_dir and not any(a.startswith("output_dir=") for a in argv):
         argv.append(f"output_dir={out}")
     before = _snapshot(tmp_path)
     code = cli.main(["train", *argv])
@@ -164,4 +164,16 @@ def _wrong_type_cases() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("key, value", _wrong_type_cases())
 def test_wrong_yaml_type(tmp_path, capsys, key, value):
     method = ["method=" + key.split(".")[0]] if "." in key else []
-    _assert_refused(tmp_path, capsys, [*TINY, *method, f"{key}={value}"])
+    section, _, name = key.rpartition(".")
+    if _key(key).path:  # on the command line a path key is the string written (`data=my #1.jsonl`): in the YAML
+        config = _write(tmp_path / "cfg" / "c.yaml", (f"{section}:\n  {name}: {value}\n" if section
+                                                      else f"{name}: {value}\n").encode())
+        argv = [str(config), *[a for a in TINY if not a.startswith(f"{key}=")], *method]
+        _assert_refused(tmp_path, capsys, argv, output_dir=key != "output_dir")
+    else:
+        _assert_refused(tmp_path, capsys, [*TINY, *method, f"{key}={value}"])
+
+
+def _key(name: str):
+    section, _, key = name.rpartition(".")
+    return method_section_schema()[section][key] if section else SCHEMA[name]
