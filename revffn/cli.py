@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="a data file (JSON/JSONL/parquet/arrow/csv), a save_to_disk "
                    "directory, hf:NAME[:CONFIG][@SPLIT] or builtin:NAME")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--limit", type=_positive, default=None, help="score at most N examples by exact match")
+    e.add_argument("--limit", type=_nonnegative, default=None, help="score at most N examples by exact match")
     e.add_argument("--loglikelihoods", action="store_true", help="also report each example's summed log-prob of "
                    "its response given the prompt, as lm-eval scores it (README: Outputs of a run)")
     e.add_argument("--match", choices=("exact", "contains"), default="exact",
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except UserError as e:
         print(f"revffn {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"revffn {args.command}: interrupted", file=sys.stderr)
         return 130

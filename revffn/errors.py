@@ -16,6 +16,31 @@ class UserError(Exception):
     exit_code = 2
 
 
+class DiskFull(UserError):
+    """No room to write (ENOSPC, EFBIG under a file-size limit, EDQUOT): one line, exit 1 (the input was fine);
+    what was being written is removed, what was there before is kept."""
+
+    exit_code = 1
+
+
+DISK_ERRNOS = {28: "no space left on the device", 27: "file too large for the file-size limit (ulimit -f)",
+               122: "disk quota exceeded"}
+DISK_MESSAGES = {"no space left": 28, "file too large": 27, "quota exceeded": 122, "os error 28": 28,
+                 "os error 27": 27, "os error 122": 122, "unexpected pos": 0}  # the last: torch.save's short write
+
+
+def disk_fault(error: BaseException) -> str | None:
+    """Why `error` is the disk refusing a write (see DISK_ERRNOS), or None when it is something else."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return DISK_ERRNOS[e.errno]
+        text = str(e).lower() if e is not None else ""
+        for needle, code in DISK_MESSAGES.items():
+            if needle in text:
+                return DISK_ERRNOS.get(code, "a write came up short (no space, or the file-size limit)")
+    return None
+
+
 def one_line(error: BaseException | str) -> str:
     """An exception's message (or a text) on one line: the first non-empty line, for a one-line error."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

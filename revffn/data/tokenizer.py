@@ -28,6 +28,8 @@ from revffn.models.presets import TINY_PRESETS
 
 SHIPPED_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")  # what AutoTokenizer builds from; without one it makes up a tokenizer
 PAD, BOS, EOS = "<|pad|>", "<|endoftext|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>"]
 
@@ -55,6 +57,10 @@ def load_tokenizer(path: str | None = None, key: str = "tokenizer") -> PreTraine
     if not Path(where).is_dir():
         raise UserError(f"{key}: directory {path!r} not found. Fix: give a local directory holding tokenizer.json "
                         f"(e.g. the model directory), or leave {key} unset for the shipped tokenizer.")
+    if not any((Path(where) / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{key}: {where!r} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)}). Fix: copy "
+                        f"the model's tokenizer files there (tokenizer.save_pretrained), or set {key}: DIR to a "
+                        "directory that holds them.")
     try:
         # trust_remote_code=False: AutoTokenizer reads config.json, and a revffn final/ names its own config
         # class there (`models.hf_remote`); without it transformers would ask on stdin whether to run it

@@ -75,9 +75,53 @@ def resolve_model_ref(model: str, key: str = "model", weights: bool = True) -> s
 
 
 def _check_model_dir(path: Path, model: str, key: str) -> None:
+    """A model directory is whole before anything reads it: config.json there and valid, every safetensors file
+    as long as its header says."""
     if not (path / "config.json").is_file():
         raise UserError(f"{key}: {model!r} has no config.json. Fix: point {key} at a directory written by "
                         "save_pretrained (it holds config.json and *.safetensors), or a Hub ID of such a model.")
+    check_config_json(path, key)
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights, key)
+
+
+def check_config_json(path: Path, key: str = "model") -> None:
+    """config.json parses and its values have the types the model's config class declares (transformers
+    validates them), reported as config.json's problem, with the key it names."""
+    from revffn.errors import one_line
+
+    config = Path(path) / "config.json"
+    try:
+        json.loads(config.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{key}: {str(config)!r} is not valid JSON ({one_line(e)}). Fix: repair config.json, or "
+                        "write the model again with save_pretrained.") from None
+    try:
+        stored_config(path)
+    except Exception as e:  # transformers raises ValueError, TypeError, its strict-dataclass errors, ...
+        raise UserError(f"{key}: {str(config)!r} does not validate: {type(e).__name__}: {one_line(e)} Fix: correct "
+                        "that key in config.json (a value of the type the model's config declares), or write the "
+                        "model again with save_pretrained.") from None
+
+
+def check_safetensors(file: Path, key: str = "model") -> None:
+    """The file is as long as its header says (8-byte header length, JSON header, then the tensors' bytes): a
+    truncated copy or download is caught here, before anything is loaded or written."""
+    size = file.stat().st_size
+    fix = "Fix: copy or download it again (it is incomplete), or point {key} at a complete model."
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"{size:,} bytes, shorter than its own header")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise UserError(f"{key}: {str(file)!r} is not a complete safetensors file ({e}). " + fix.format(key=key)) \
+            from None
+    if size < 8 + n + end:
+        raise UserError(f"{key}: {str(file)!r} is truncated: {size:,} bytes, its header says {8 + n + end:,}. "
+                        + fix.format(key=key))
 
 
 def model_kind(model: str, key: str = "model",

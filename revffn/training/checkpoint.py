@@ -26,10 +26,12 @@ plain `pickle.load`, which runs whatever code a file names.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import resource
 import shutil
 from pathlib import Path
 
@@ -46,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from revffn.errors import UserError, one_line
+from revffn.errors import DiskFull, UserError, disk_fault, one_line
 from revffn.training.manifest import verify_checkpoint, write_manifest
 from revffn.training.parallel import barrier, is_main_process
 
@@ -100,6 +102,42 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+    with disk_guard(f"checkpoint step-{step}", tmp, lambda: state_bytes(model, optimizer), remove=main):
+        _write_checkpoint(root, final, tmp, step, model, optimizer, trainer_state, config_text, math_config, keep,
+                          fault, sharded, main)
+    return final
+
+
+def state_bytes(model, optimizer=None) -> int:
+    """The bytes of the model's tensors and the optimizer's state: what a checkpoint writes, about."""
+    tensors = list(model.state_dict().values())
+    if optimizer is not None:
+        tensors += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextlib.contextmanager
+def disk_guard(what: str, tmp: Path, needed, remove: bool = True):
+    """A write of `what` into `tmp` that the disk refuses (no space, the file-size limit, a quota: `disk_fault`)
+    becomes one `DiskFull` line, exit 1, with `tmp` removed; `needed()` estimates the bytes it needs."""
+    try:
+        yield
+    except Exception as e:
+        why = disk_fault(e)
+        if why is None:
+            raise
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        cap = "" if limit == resource.RLIM_INFINITY else f", and files are limited to {limit:,} bytes (ulimit -f)"
+        raise DiskFull(f"cannot write {what} in {str(tmp.parent)!r}: {why}. It needs about {needed():,} bytes; "
+                       f"{free:,} are free{cap}. The partial write is removed; what was saved before is kept. Fix: "
+                       "free disk space (or raise the limit), then resume=true.") from None
+
+
+def _write_checkpoint(root, final, tmp, step, model, optimizer, trainer_state, config_text, math_config, keep,
+                      fault, sharded, main) -> None:
     if sharded:
         barrier()  # tmp exists before any rank writes into it
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
@@ -118,9 +156,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         if final.exists():  # a re-run of the same step after a restart
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in checkpoint_dirs(run_dir)[:-keep]:
+        for old in checkpoint_dirs(root.parent)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _dcp_state(model, optimizer) -> dict:

@@ -45,11 +45,18 @@ import torch
 from tqdm.auto import tqdm
 
 from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
-from revffn.errors import UserError
+from revffn.errors import DiskFull, UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.models.cache import staged_dir, sweep_staged
 from revffn.models.generation import save_generation_config
-from revffn.training.checkpoint import clean_partial, load_checkpoint, read_trainer_state, save_checkpoint
+from revffn.training.checkpoint import (
+    clean_partial,
+    disk_guard,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+    state_bytes,
+)
 from revffn.training.config import TrainConfig, math_config
 from revffn.training.evaluate import eval_loss
 from revffn.training.parallel import (
@@ -229,10 +236,11 @@ class Recipe:
             return run_dir / "final"
         final = run_dir / "final"
         step = None if self.fault is None else (lambda k: self.fault("final", k))
-        with staged_dir(final, step) as tmp:
-            self.run.method.export(self.run.model, tmp)
-            self.plan.tokenizer.save_pretrained(tmp)
-            save_generation_config(tmp, self.plan.tokenizer)
+        with disk_guard("final/", run_dir / ".tmp-final", lambda: state_bytes(self.run.model), remove=False):
+            with staged_dir(final, step) as tmp:  # (removes its partial write itself)
+                self.run.method.export(self.run.model, tmp)
+                self.plan.tokenizer.save_pretrained(tmp)
+                save_generation_config(tmp, self.plan.tokenizer)
         barrier()
         return final
 
@@ -405,7 +413,7 @@ def _run(cfg, fault: Fault | None) -> dict:
         try:
             if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
                 return run_in_child(train, cfg, restarts, fault, error, restart=restarts,
-                                    errors=(UserError, TrainingDiverged, CollectiveTimeout))
+                                    errors=(UserError, DiskFull, TrainingDiverged, CollectiveTimeout))
             return train(cfg, restarts, fault, error)
         except (UserError, TrainingDiverged, KeyboardInterrupt):
             raise

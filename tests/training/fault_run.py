@@ -8,7 +8,8 @@ step), `save` (in the middle of writing that step's checkpoint) or `final` (afte
 `models.cache.staged_dir`). ACTION `kill` sends SIGKILL to this
 process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank, a stalled
 step); `leak` makes a forward hook on every module keep its output from then on (debug code holding
-tensors: a memory leak). A restart of the run does not see a fault again: not in the same process,
+tensors: a memory leak); `fsize` limits every file this process writes from then on to 1 KiB (RLIMIT_FSIZE:
+a full disk, deterministically). A restart of the run does not see a fault again: not in the same process,
 nor in the child process of a `max_restarts` restart (REVFFN_RESTART_COUNT > 0), nor after torchrun
 restarted the job (TORCHELASTIC_RESTART_COUNT > 0). Under torchrun, RANK limits a fault to that rank.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import signal
 import sys
 import time
@@ -33,8 +35,9 @@ def parse_fault(spec: str):
     for item in filter(None, spec.split(",")):
         action, where = item.split("@")
         point, at, *rank = where.split(":")
-        if action not in ("kill", "raise", "hang", "leak") or point not in ("step", "save", "final") or len(rank) > 1:
-            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang|leak @ step|save|final : N [: RANK]")
+        actions, points = ("kill", "raise", "hang", "leak", "fsize"), ("step", "save", "final")
+        if action not in actions or point not in points or len(rank) > 1:
+            raise ValueError(f"bad fault {item!r}: expected kill|raise|hang|leak|fsize @ step|save|final : N [: RANK]")
         if rank and int(rank[0]) != int(os.environ.get("RANK", "0")):
             continue
         items.append((item, action, point, int(at)))
@@ -47,6 +50,10 @@ def parse_fault(spec: str):
             if name == point and at == step and item not in fired:
                 if action == "leak":
                     LEAKING["on"] = True
+                    fired.add(item)
+                    return
+                if action == "fsize":  # from here on no file may grow past 1 KiB: the disk is "full"
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
                     fired.add(item)
                     return
                 if action == "kill":

@@ -8,6 +8,8 @@ test_run_lock.py and test_run_dir.py; the careless-input classes per config key 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -108,10 +110,59 @@ def test_every_count_and_number_flag_refuses_what_it_cannot_mean(capsys):
             if a.type in (int, float)]
     assert bare == []
     for argv in (["eval", "x", "--data", "builtin:quickstart_test", "--limit", "-1"],
-                 ["eval", "x", "--data", "builtin:quickstart_test", "--limit", "0"],
                  ["bench", "--nproc", "0"], ["bench", "--timeout", "nan"], ["estimate", "--model", "x",
                                                                             "--world-size", "-2"]):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2, argv
         assert "must be" in capsys.readouterr().err, argv
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("model") / "run"
+    assert cli.main(["train", *TINY, "data=builtin:quickstart_train", f"output_dir={run}", "max_steps=1"]) == 0
+    return run / "final"
+
+
+def _damaged(saved_model: Path, tmp_path: Path, damage) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(saved_model, model)
+    damage(model)
+    return model
+
+
+def _truncate(model: Path) -> None:
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+
+
+def _bad_type(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+
+
+def _no_tokenizer(model: Path) -> None:
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+
+
+@pytest.mark.parametrize("damage, says", [
+    (_truncate, "model.safetensors' is truncated: "),
+    (_bad_type, "config.json' does not validate: StrictDataclassFieldValidationError: Validation error for field "
+                "'num_hidden_layers'"),
+    (_no_tokenizer, "tokenizer: "),
+])
+@pytest.mark.parametrize("command", ["train", "eval", "generate"])
+def test_a_damaged_model_is_refused_before_anything_is_written(saved_model, tmp_path, capsys, damage, says, command):
+    model = _damaged(saved_model, tmp_path, damage)
+    run = f"output_dir={tmp_path / 'run'}"
+    argv = {"train": ["train", *TINY, f"model={model}", "data=builtin:quickstart_train", run],
+            "eval": ["eval", str(model), "--data", "builtin:quickstart_test", "--limit", "2"],
+            "generate": ["generate", str(model), "--prompt", "hi"]}[command]
+    assert cli.main(argv) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert says in line and "Fix:" in line, line
+    if damage is _no_tokenizer:
+        assert "holds no tokenizer files (one of tokenizer.json" in line, line
+    assert not (tmp_path / "run").exists()

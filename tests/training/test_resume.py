@@ -72,6 +72,27 @@ def test_kill_and_resume_reproduces_losses(tmp_path, reference, fault, expect_ck
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
+def test_a_full_disk_while_saving_exits_1_in_one_line_and_resume_continues_exactly(tmp_path, reference):
+    """From the middle of writing step-6's checkpoint no file may grow past 1 KiB (RLIMIT_FSIZE, as a full disk):
+    exit 1, one line (what it needs, what is free, where), no traceback, the partial checkpoint removed and step-3
+    kept; resume=true then finishes with an uninterrupted run's losses."""
+    cfg = _write(tmp_path, "run")
+    first = _train(cfg, fault="fsize@save:6")
+    assert first.returncode == 1, first.stderr[-2000:]
+    errors = [line for line in first.stderr.splitlines() if "error:" in line]
+    assert "Traceback" not in first.stderr and len(errors) == 1, first.stderr[-3000:]
+    assert "cannot write checkpoint step-6 in" in errors[0] and "bytes; " in errors[0] and "are free" in errors[0]
+    assert "limited to 1,024 bytes" in errors[0] and "resume=true" in errors[0], errors[0]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3"]
+    second = _train(cfg, "resume=true")
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed = _losses(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, 11))
+    for step, loss in reference.items():
+        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
+
+
 def test_damaged_latest_checkpoint_rolls_back(tmp_path):
     """One flipped byte in step-6's weights: resume=true rolls back to step-3 (events.jsonl and a warning
     say so, step-6 is moved aside), finishes, and steps 4-7 reproduce the losses the killed run logged
