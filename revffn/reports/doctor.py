@@ -192,8 +192,17 @@ def check_output_dir(output_dir: str) -> dict:
     except OSError as e:
         return _check("output_dir", False, f"{target}: cannot write ({e.strerror})", fix, **measured)
     where = "" if target == path else f" (does not exist yet; checked {target})"
-    return _check("output_dir", free >= MIN_FREE_DISK, f"{path}{where}: writable, {_gib(free)} free", fix,
-                  **measured)
+    largest = largest_checkpoint(path)
+    need = max(MIN_FREE_DISK, 2 * largest)  # a checkpoint is written beside the previous one before it goes
+    measured["largest_checkpoint_bytes"] = largest
+    room = f"; the largest checkpoint there is {_gib(largest)}, and a save needs room for 2" if largest else ""
+    return _check("output_dir", free >= need, f"{path}{where}: writable, {_gib(free)} free{room}", fix, **measured)
+
+
+def largest_checkpoint(output_dir: Path) -> int:
+    """The bytes of the largest checkpoint of the runs under `output_dir` (itself a run, or a folder of runs)."""
+    dirs = [*output_dir.glob("checkpoints/step-*"), *output_dir.glob("*/checkpoints/step-*")]
+    return max((sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in dirs if d.is_dir()), default=0)
 
 
 def run_doctor(device: str = "auto", output_dir: str = "runs", probe_mib: int | None = None) -> dict:

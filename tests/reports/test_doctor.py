@@ -68,3 +68,19 @@ def test_cuda_asked_for_but_absent_fails_and_skips_the_device_checks(capsys, tmp
     assert code == 1 and report["device"] is None
     assert list(_failed(report)) == ["device", "memory", "bf16", "reversible"]
     assert "--device cpu" in _failed(report)["device"]["fix"]
+
+
+def test_too_little_room_for_two_checkpoints_fails(capsys, tmp_path, monkeypatch):
+    """A save writes the new checkpoint beside the previous one: under 2x the largest checkpoint of the runs there
+    the disk check fails (the free bytes faked: a real full disk is not made here)."""
+    step = tmp_path / "run" / "checkpoints" / "step-3"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"\0" * 2**20)
+    monkeypatch.setattr(doctor, "MIN_FREE_DISK", 0)
+    real = doctor.shutil.disk_usage
+    for free, ok in ((2**21, True), (2**21 - 1, False)):
+        monkeypatch.setattr(doctor.shutil, "disk_usage", lambda p, free=free: real(p)._replace(free=free))
+        code, report = _doctor(capsys, "--device", "cpu", "--output-dir", str(tmp_path))
+        assert report["checks"][-1]["largest_checkpoint_bytes"] == 2**20 and (code == 0) == ok, free
+    assert list(_failed(report)) == ["output_dir"]
+    assert "the largest checkpoint there is" in _failed(report)["output_dir"]["detail"]
