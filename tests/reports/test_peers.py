@@ -81,3 +81,17 @@ def test_trl_peer_needs_trl(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
     assert cli.main(["bench", "--out", str(tmp_path), "--layers", "1", "--methods", "full", "--peers", "trl-sft"]) == 2
     assert "pip install trl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_trl_sft_trainer_really_ran_on_the_same_model_and_batch(checkpointing):
+    """TRL is optional: where it is installed, its SFTTrainer trains the bench's model on the bench's batch."""
+    pytest.importorskip("trl")
+    row = peer.run(worker_args(SPEC, "trl-sft" + ("+ckpt" if checkpointing else "")))
+    assert row["status"] == "ok", row
+    assert row["trainer"] == "trl.SFTTrainer" and row["checkpointing"] is checkpointing
+    assert row["global_step"] == SPEC.steps + 1
+    losses = [e["loss"] for e in row["log_history"] if "loss" in e]
+    assert len(losses) == SPEC.steps + 1 and len(row["step_times_s"]) == SPEC.steps
+    assert losses[0] == pytest.approx(_first_loss_of_revffn_full(), abs=1e-5)
+    assert row["grad_bytes"] == row["param_bytes"] and row["optimizer_state_bytes"] == 2 * row["param_bytes"]

@@ -34,6 +34,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from revffn.data.tokenizer import model_tokenizer
 from revffn.memory.measure import current_rss_bytes
 from revffn.models.loading import build_hf
 from revffn.reports.bench import train_config
@@ -100,14 +101,17 @@ def _measured(trainer_cls):
     return Measured
 
 
-def _trainer(peer: str, model, args: TrainingArguments, rows: _Rows, timer: _Timer):
+def _trainer(peer: str, model, args: TrainingArguments, rows: _Rows, timer: _Timer, tokenizer=None):
     if peer == "hf-trainer":
         return _measured(Trainer)(model=model, args=args, train_dataset=rows, callbacks=[timer])
+    from datasets import Dataset
     from trl import SFTConfig, SFTTrainer  # optional: `revffn bench --peers trl-sft` checks it is installed
 
     sft = SFTConfig(**{k: v for k, v in args.to_dict().items() if k in SFTConfig.__dataclass_fields__
                        and not k.startswith("_")}, dataset_kwargs={"skip_prepare_dataset": True}, packing=False)
-    return _measured(SFTTrainer)(model=model, args=sft, train_dataset=rows, callbacks=[timer])
+    table = Dataset.from_list([{k: v.tolist() for k, v in rows[i].items()} for i in range(len(rows))])
+    return _measured(SFTTrainer)(model=model, args=sft, train_dataset=table, callbacks=[timer],
+                                 processing_class=tokenizer)  # (else it loads one from the model's name: none)
 
 
 def measure(args: dict, baseline_rss: int | None = None) -> dict:
@@ -134,7 +138,8 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
             activation_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
             use_cpu=device.type == "cpu", bf16=autocast_dtype is torch.bfloat16, dataloader_num_workers=0,
             seed=cfg.seed, remove_unused_columns=False)
-        trainer = _trainer(peer, hf, targs, _Rows(ids, B * (steps + 1)), timer)
+        tokenizer = model_tokenizer(cfg.model, cfg.tokenizer) if peer == "trl-sft" else None
+        trainer = _trainer(peer, hf, targs, _Rows(ids, B * (steps + 1)), timer, tokenizer)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
