@@ -50,6 +50,10 @@ class Method:
     DISTRIBUTED: ClassVar[tuple[str, ...]] = ("ddp", "fsdp")
     DISTRIBUTED_NOTE: ClassVar[str] = ""
 
+    # set by `build_run` before `prepare`: a checkpoint will overwrite every weight `prepare` sets, so work that
+    # only initializes weights (RevFFN's calibration) may be skipped
+    resuming: bool = False
+
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.section(self.name)
 

@@ -175,11 +175,22 @@ class RevFFNMethod(Method):
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
                         stream_width=self.opts["stream_width"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
-        if self.opts["adapter_init"] == "calibrated":
+        if self.opts["adapter_init"] == "calibrated" and self.resuming:
+            from revffn.methods.conversion import log_line
+
+            log_line("resuming: the checkpoint holds the calibrated adapters; calibration skipped")
+        elif self.opts["adapter_init"] == "calibrated":
             from revffn.methods.conversion import calibrate_for_run
 
             self.calibration = calibrate_for_run(model, self.cfg, self.opts)
         return self._prepare_stages(model)
+
+    def state_dict(self) -> dict:
+        """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report)."""
+        return {"calibration": self.calibration} if self.calibration else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calibration = state.get("calibration", self.calibration)
 
     def _prepare_stages(self, model: nn.Module) -> nn.Module:
         """The heal's text source (stage 1) and the frozen teacher copy (stage 2, distill_coef > 0)."""

@@ -119,7 +119,8 @@ class Recipe:
     def setup(self) -> None:
         cfg, plan = self.cfg, self.plan
         self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
-                             model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed)
+                             model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed,
+                             resuming=plan.resume_from is not None)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
         self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
         self.order = DataOrder(len(plan.train_set.items), cfg.seed)

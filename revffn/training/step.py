@@ -87,7 +87,7 @@ class StepResult:
 
 def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.float32,
               autocast_dtype: torch.dtype | None = None, hf: nn.Module | None = None,
-              model_config: dict | None = None, strategy: str | None = None) -> Run:
+              model_config: dict | None = None, strategy: str | None = None, resuming: bool = False) -> Run:
     """Seed, build the HF model (unless given), prepare it with the method, build the optimizer.
 
     Args:
@@ -96,6 +96,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
             the tokenizer's vocabulary for tiny presets, see `setup.model_overrides`).
         strategy: "none", "ddp" or "fsdp" (`parallel.pick_distributed`); None: ddp when a process
             group is up, else none.
+        resuming: a checkpoint is loaded next (`Method.resuming`: RevFFN does not calibrate).
     """
     torch.manual_seed(cfg.seed)
     if hf is None:
@@ -104,6 +105,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     if strategy is None:
         strategy = "ddp" if torch.distributed.is_available() and torch.distributed.is_initialized() else "none"
     method = method_class(cfg.method)(cfg)
+    method.resuming = resuming
     model = method.prepare(hf)
     if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
         shard_model(model, method.fsdp_units(model), device)

@@ -158,3 +158,30 @@ def test_adapter_warmup_ratio_sets_stage_1_and_leaves_a_stage_2(ratio, steps, ex
                              "revffn.adapter_warmup_steps=50", f"revffn.adapter_warmup_ratio={ratio}"])
     cls.validate(cfg)  # adapter_warmup_steps=50 alone would leave no stage-2 step
     assert cls(cfg).opts["adapter_warmup_steps"] == expected
+
+
+def test_a_resume_does_not_calibrate_and_keeps_the_calibration_report(tmp_path, monkeypatch):
+    """The checkpoint holds the calibrated adapters: a resumed run makes no calibration pass, reproduces the
+    uninterrupted losses, and its final/ keeps the first run's calibration report."""
+    import json
+    import shutil
+
+    from revffn.methods import conversion
+
+    calls = []
+    real = conversion.calibrate_model
+    monkeypatch.setattr(conversion, "calibrate_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_init=calibrated",
+            "revffn.calibration_data=self", "revffn.calibration_tokens=512", "revffn.adapter_warmup_steps=2",
+            "data=builtin:quickstart_train",
+            "eval_data=null", "max_seq_length=32", "save_steps=3", "logging_steps=1"]
+    assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0
+    assert len(calls) == 1
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    assert main(["train", *args, f"output_dir={tmp_path / 'run'}", "resume=true"]) == 0
+    assert len(calls) == 1  # no second calibration
+    ref = {r["step"]: r["loss"] for r in metrics(tmp_path / "ref")}
+    resumed = {r["step"]: r["loss"] for r in metrics(tmp_path / "run")}
+    assert all(abs(resumed[s] - ref[s]) <= 1e-6 for s in range(1, 7)), (resumed, ref)
+    report = json.loads((tmp_path / "run" / "final" / "revffn.json").read_text())["calibration"]
+    assert report == json.loads((tmp_path / "ref" / "final" / "revffn.json").read_text())["calibration"]
