@@ -18,6 +18,7 @@ import time
 import torch
 
 from revffn.data.calibration import SELF, calibration_rows, is_task_data, row_batches
+from revffn.data.collate import data_shard
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models.calibrate import calibrate
@@ -68,14 +69,20 @@ def check_source(source: str, key: str, training_data: tuple[str | None, ...] = 
 def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "revffn.calibration_data",
                     seed: int = 0, log=log_line, budget_key: str = "revffn.calibration_tokens") -> dict:
     """Fit `model`'s adapters (ridge, layer by layer) on `n_tokens` of `source`; returns the fit report
-    with the data's wall time (sampling for `self`) and the process's peak RSS."""
+    with the data's wall time (sampling for `self`) and the process's peak RSS. Under a process group (torchrun)
+    the job calibrates once: each process passes over its share of the rows and the fits' sums are all-reduced
+    (`calibrate(reduce=...)`), so every process holds the adapters of all rows at 1/N of the passes' work."""
     t0 = time.perf_counter()
     rows = calibration_rows(source, tokenizer, model, n_tokens, key, seed, budget_key=budget_key)
     device = next(model.parameters()).device
     data_s = time.perf_counter() - t0
-    log(f"calibrating the adapters on {rows.numel()} tokens of {source} ({rows.shape[0]} rows)")
+    rank, world = data_shard()
+    share = f"; this process fits rows {rank}::{world}, the sums all-reduced" if world > 1 else ""
+    log(f"calibrating the adapters on {rows.numel()} tokens of {source} ({rows.shape[0]} rows{share})")
+    reduce = (lambda t: torch.distributed.all_reduce(t)) if world > 1 else None
     with progress_bar("calibrate", "pass") as progress:
-        report = calibrate(model, row_batches(rows.to(device)), log=None, progress=progress)
+        report = calibrate(model, row_batches(rows[rank::world].to(device)), log=None, progress=progress,
+                           reduce=reduce)
     worst = max(report["residuals"].items(), key=lambda kv: kv[1])
     log(f"calibrated in {report['wall_s']:.1f} s (+{data_s:.1f} s for the data); worst relative residual "
         f"{worst[1]:.3f} ({worst[0]})")

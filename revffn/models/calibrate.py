@@ -74,6 +74,13 @@ class RidgeFit:
         self.yy += (Y * Y).sum()
         self.rows += X.shape[0]
 
+    def reduce(self, reduce: Callable[[torch.Tensor], None]) -> None:
+        """Sum the accumulators over processes (`reduce`: an in-place all-reduce)."""
+        rows = torch.tensor(float(self.rows), dtype=torch.float64, device=self.xtx.device)
+        for t in (self.xtx, self.xty, self.yy, rows):
+            reduce(t)
+        self.rows = int(rows.item())
+
     def solve(self, ridge: float) -> tuple[torch.Tensor, float]:
         """(W (d_out, d_in): an nn.Linear weight, relative residual ‖XWᵀ - Y‖² / ‖Y‖² on the accumulated rows)."""
         lam = ridge * self.xtx.diagonal().mean().clamp(min=1e-12)
@@ -206,7 +213,8 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
 
 @torch.no_grad()
 def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequential", keep_states: bool = True,
-              log: Callable[[str], None] | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, progress: Callable[[int, int], None] | None = None,
+              reduce: Callable[[torch.Tensor], None] | None = None) -> dict:
     """Fit every adapter of `model` (a RevFFNForCausalLM, in place) by streaming ridge least squares.
 
     Args:
@@ -218,6 +226,9 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
         log: called with one line per fitted adapter (its relative residual).
         progress: called as progress(passes done, passes in all) after every pass over the calibration set
             (one per fit and one per advance to the next layer): a progress bar's feed.
+        reduce: sums a tensor over the processes in place (an all-reduce), when each process passes over its own
+            share of the calibration rows: every fit's XᵀX, XᵀY, ‖Y‖² and row count are summed before the solve,
+            so every process solves the same system, the one of all rows (data-parallel calibration).
     Returns:
         {"residuals": {"layers.L.p_up_attn": rel, ...}, "passes", "rows", "accumulator_bytes" (the largest
         set of fits held at once), "kept_bytes" (the host states, keep_states), "wall_s", ...}.
@@ -237,6 +248,9 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
             fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
                                 getattr(block, n).weight.device) for n in group}
             _layer_pass(model, inputs, fits, mode == "one_pass")
+            if reduce is not None:
+                for fit in fits.values():
+                    fit.reduce(reduce)
             passes += 1
             if progress is not None:
                 progress(passes + l, total)

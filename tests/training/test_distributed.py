@@ -41,6 +41,9 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     # the stage boundary (adapters only -> joint) at step 2, inside the run: DDP is re-wrapped there
     "revffn": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
                 "revffn.adapter_init=coordinate"], 4, 1),
+    # the calibrated init, once per job: each rank fits its share of the rows, the fits' sums all-reduced
+    "revffn-calibrated": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+                           "revffn.adapter_init=calibrated", "revffn.calibration_tokens=1024"], 4, 1),
     # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
     "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
@@ -105,7 +108,9 @@ def test_data_parallel_equals_one_process(tmp_path, method):
         _assert_same_run(tmp_path / "one", out, f"{method} {strategy}")
         if method.startswith("revffn"):
             stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-            assert stages == ["warmup" if method == "revffn" else "heal"] * 2 + ["joint"] * 2
+            assert stages == ["heal" if method == "revffn-heal" else "warmup"] * 2 + ["joint"] * 2
+        if method == "revffn-calibrated":  # each rank fitted half of the 8 rows of 128 tokens
+            assert r.stderr.count("1024 tokens of self (8 rows; this process fits rows ") == 2, r.stderr[-3000:]
 
 
 @pytest.mark.integration
