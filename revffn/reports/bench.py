@@ -210,7 +210,7 @@ def estimate_fields(args: dict) -> dict:
 # CPU worker, revffn's and the peers', runs with it.
 ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
-                  "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total")
+                  "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total", "load_peak_rss_bytes", "load_s")
 
 
 def _free_port() -> int:
@@ -319,6 +319,9 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
             for r in [row, *row["ranks"]]:
                 r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
                 r["peak_vs_one_process"] = r["peak_mem_bytes"] / one["peak_mem_bytes"]
+                if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
+                    r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
+                    r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
     row.update(estimate_fields(args))
     if one is not None:
         row["one_process"] = one

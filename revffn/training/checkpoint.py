@@ -65,12 +65,14 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+def newest_verified(run_dir: Path, shard: tuple[int, int] = (0, 1),
+                    hash_files: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest checkpoint whose files match its manifest, or None; [(each newer one, its problem)]):
-    what every resume of a run starts from, `resume=true` and restarts alike."""
+    what every resume of a run starts from, `resume=true` and restarts alike. `shard`, `hash_files`:
+    `verify_checkpoint`'s."""
     rejected = []
     for path in reversed(checkpoint_dirs(run_dir)):
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path, shard, hash_files)
         if problem is None:
             return path, rejected
         rejected.append((path, problem))

@@ -80,6 +80,7 @@ from revffn.training.setup import (
     resolve_launch,
     restart_values,
     saved_config_text,
+    verify_resume,
 )
 from revffn.training.step import StepResult, build_run, train_step
 from revffn.training.trackers import Trackers
@@ -262,6 +263,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     cfg = resolve_launch(cfg)
     plan = prepare_run(cfg)  # raises UserError for bad input; writes nothing
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
+    plan = verify_resume(cfg, plan)  # under torchrun: the checkpoint's files hashed once a job, by the ranks
     main = is_main_process()
     lock = lock_run_dir(cfg, plan, restarts) if main else None
     agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)

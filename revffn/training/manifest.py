@@ -53,9 +53,14 @@ def read_manifest(path: Path) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
-def verify_checkpoint(path: Path) -> str | None:
+def verify_checkpoint(path: Path, shard: tuple[int, int] = (0, 1), hash_files: bool = True) -> str | None:
     """None when every file of the checkpoint at `path` matches its manifest; otherwise the first
-    problem, naming the file (and the expected and actual sha256)."""
+    problem, naming the file (and the expected and actual sha256).
+
+    `shard=(rank, world)` with world > 1 (a process group up, every rank calling): rank r hashes files r, r + world,
+    ... of the manifest, and the ranks all-gather what they found, so the job reads each file once, not once per
+    rank, and every rank returns the same verdict. `hash_files=False`: the manifest and the files' presence only
+    (what torchrun's ranks check before their process group exists; they hash together once it does)."""
     path = Path(path)
     try:
         manifest = read_manifest(path)
@@ -69,10 +74,24 @@ def verify_checkpoint(path: Path) -> str | None:
     extra = sorted(set(_files(path)) - set(files))
     if extra:
         return f"{extra[0]}: not in {MANIFEST}"
-    for rel, expected in files.items():
+    rank, world = shard if hash_files else (0, 1)
+    found = None  # (index, problem): the first problem among this rank's files
+    for i, (rel, expected) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
         if not (path / rel).is_file():
-            return f"{rel}: missing"
+            found = (i, f"{rel}: missing")
+            break
+        if not hash_files:
+            continue
         actual = sha256_file(path / rel)
         if actual != expected:
-            return f"{rel}: sha256 mismatch, expected {expected[:16]}..., got {actual[:16]}..."
-    return None
+            found = (i, f"{rel}: sha256 mismatch, expected {expected[:16]}..., got {actual[:16]}...")
+            break
+    if world > 1:
+        import torch.distributed as dist
+
+        every: list = [None] * world
+        dist.all_gather_object(every, found)
+        found = min((f for f in every if f is not None), default=None)
+    return None if found is None else found[1]

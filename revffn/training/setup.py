@@ -16,12 +16,13 @@ import re
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import yaml
 
+from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted
@@ -85,14 +86,18 @@ def mark_run(run_dir: Path) -> None:
     (run_dir / RUN_MARKER).write_text(json.dumps({"format": "revffn-run", "started": started}))
 
 
-def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype) -> tuple[Path | None, list[tuple[Path, str]]]:
+def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype,
+                   hash_files: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the checkpoint to resume from or None, [(newer checkpoint, why it failed verification)]).
     `resume=true` takes the newest checkpoint that verifies, `resume=PATH` that one if it verifies;
-    either is refused when the config changes a key that changes the math."""
+    either is refused when the config changes a key that changes the math. Under a process group the ranks
+    share the hashing (`data_shard`); `hash_files=False` checks manifests and presence only (torchrun's ranks
+    before their process group exists: `verify_resume` hashes once it does)."""
     if cfg.resume is False:
         return None, []
+    shard = data_shard()
     if cfg.resume is True:
-        ckpt, rejected = newest_verified(run_dir)
+        ckpt, rejected = newest_verified(run_dir, shard, hash_files)
         if ckpt is None and not rejected:
             raise UserError(f"resume=true but {run_dir}/checkpoints holds no complete checkpoint. Fix: set "
                             "resume=false (with overwrite=true to replace the run), or save_steps > 0 next time.")
@@ -108,7 +113,7 @@ def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype) -> tuple[Path
                             "directory, or resume=true for the latest one in output_dir.")
         if not (ckpt / MANIFEST).is_file():
             read_trainer_state(ckpt)  # a directory that is no checkpoint at all: say so
-        problem = verify_checkpoint(ckpt)
+        problem = verify_checkpoint(ckpt, shard, hash_files)
         if problem:
             raise UserError(f"resume: checkpoint {cfg.resume!r} fails verification: {problem}. Nothing was touched. "
                             "Fix: resume=true for the newest checkpoint of the run that verifies, or restore this "
@@ -285,12 +290,9 @@ def prepare_run(cfg) -> RunPlan:
     check_converted(cfg)
     run_dir = Path(cfg.output_dir)
     device, weights, autocast = pick_device(cfg)
-    resume_from, rejected = resolve_resume(cfg, run_dir, weights)
-    check_output_dir(cfg, run_dir, resume_from)
+    resume_from, rejected = resolve_resume(cfg, run_dir, weights, hash_files=launched_world() <= 1)
     distributed = pick_distributed(cfg)
-    if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
-        raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
-                        "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
+    check_resume_target(cfg, run_dir, resume_from, distributed)
     check_trackers(cfg)
     check_optimizer(cfg, device, weights, method_class(cfg.method))
     tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
@@ -307,6 +309,23 @@ def prepare_run(cfg) -> RunPlan:
                                     "eval_data")
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
                    rejected)
+
+
+def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:
+    check_output_dir(cfg, run_dir, resume_from)
+    if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
+        raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
+                        "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
+
+
+def verify_resume(cfg, plan: RunPlan) -> RunPlan:
+    """Under torchrun, once the process group is up: the resume's checkpoint hashed by the ranks together, each
+    file once a job (`prepare_run` checked manifests only), every rank with the same verdict."""
+    if data_shard()[1] <= 1 or cfg.resume is False:
+        return plan
+    resume_from, rejected = resolve_resume(cfg, plan.run_dir, plan.weights_dtype)
+    check_resume_target(cfg, plan.run_dir, resume_from, plan.distributed)
+    return replace(plan, resume_from=resume_from, rejected=rejected)
 
 
 def model_overrides(cfg, tokenizer) -> dict:

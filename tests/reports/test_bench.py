@@ -153,8 +153,13 @@ def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
             assert x["peak_mem_bytes"] > 0
         assert r["static_bytes"] == max(x["static_bytes"] for x in r["ranks"])
         assert r["static_bytes"] == pytest.approx(r["est_static_bytes"], rel=0.05)  # estimate --distributed fsdp
+        for x in [one, *r["ranks"]]:  # start-up: the process's peak RSS until ready (imports included), its time
+            assert x["load_peak_rss_bytes"] >= x["baseline_rss_bytes"] and x["load_s"] > 0, x
+        assert r["load_peak_rss_bytes"] == max(x["load_peak_rss_bytes"] for x in r["ranks"])
+        assert r["load_s_vs_one_process"] == r["load_s"] / one["load_s"]
     md = (tmp_path / "bench.md").read_text()
     assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
+    assert "### Start-up per rank" in md
 
 
 def test_a_failed_rank_fails_the_row_and_names_the_rank():
@@ -166,7 +171,7 @@ def test_a_failed_rank_fails_the_row_and_names_the_rank():
     assert "rank" not in row and [x["rank"] for x in row["ranks"]] == [0, 1]
 
 
-@pytest.mark.parametrize("argv", [["--nproc", "0"], ["--nproc", "2", "--distributed", "none"],
+@pytest.mark.parametrize("argv", [["--nproc", "2", "--distributed", "none"],  # (--nproc 0: argparse, test_fault_suite)
                                   ["--nproc", "2", "--distributed", "fsdpp"], ["--distributed", "ddp"],
                                   ["--nproc", "2", "--methods", "hift"],
                                   ["--nproc", "2", "--methods", "full", "--sweep", "layers=1,2"]])

@@ -129,6 +129,25 @@ def test_expert_without_tokens_on_one_rank(tmp_path, method, strategy):
     assert len(_losses(tmp_path / "ddp")) == 3
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_resume_hashes_each_checkpoint_file_once_per_job(tmp_path, strategy):
+    """Verification on resume runs after the process group is up: the ranks share the checkpoint's files, each
+    hashed by one rank (tests/training/hash_count_run.py counts), and both resume from it."""
+    over = [*METHODS["full"][0], "per_device_train_batch_size=2", f"distributed={strategy}", "save_steps=2"]
+    out = tmp_path / "run"
+    assert _torchrun(out, over).returncode == 0  # checkpoints/step-2
+    files = json.loads((out / "checkpoints" / "step-2" / "manifest.json").read_text())["files"]
+    hashed = tmp_path / "hashed"
+    r = _torchrun(out, [*over, "resume=true"], launch=(str(Path(__file__).with_name("hash_count_run.py")),),
+                  env={"HASH_OUT": str(hashed)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_rank = [Path(f"{hashed}.{rank}").read_text().split() for rank in (0, 1)]
+    assert all(per_rank) and sorted(sum(per_rank, [])) == sorted(str(out / "checkpoints" / "step-2" / f)
+                                                                   for f in files), per_rank
+    assert len(_losses(out)) == 4
+
+
 def test_parameters_are_not_inputs_of_the_reversible_function():
     """The known-wrong DDP setup (every parameter an input of `RevStackFunction`: 'marked ready twice',
     or with static_graph silently wrong gradients) is not used: the Function's backward node has edges

@@ -187,6 +187,10 @@ def ranks_markdown(data: dict) -> str:
     kinds = [("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_state_bytes", "optimizer states")]
     by_kind = ["", "### Static bytes by kind, MiB: 1 process -> per rank (max)", "",
                "| method | " + " | ".join(label for _, label in kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    load = ["", "### Start-up per rank: peak RSS from the process's start until the model is ready (built, "
+            "prepared, sharded), and the time that took", "",
+            f"| method | load peak MiB, 1 process | load peak MiB per rank: max ({ranks}) | ÷ 1 process | "
+            f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 6]
     speed = ["", "### Speed and saved-for-backward bytes", "",
              "| method | tokens/s, 1 process | tokens/s, all ranks | saved for backward MiB, 1 process | "
              "saved for backward MiB per rank: max |", "|---|" + "---:|" * 4]
@@ -202,6 +206,11 @@ def ranks_markdown(data: dict) -> str:
                      f"{r['peak_vs_one_process']:.2f} |")
         by_kind.append(f"| {r['method']} | " + " | ".join(f"{_mib(one[k])} -> {_mib(r[k])} ({_ratio(r[k], one[k])})"
                                                          for k, _ in kinds) + " |")
+        if r.get("load_rss_vs_one_process"):
+            each = " / ".join(f"{x['load_s']:.1f}" for x in r["ranks"])
+            load.append(f"| {r['method']} | {_mib(one['load_peak_rss_bytes'])} | "
+                        f"{_per_rank(r, 'load_peak_rss_bytes')} | {r['load_rss_vs_one_process']:.2f} | "
+                        f"{one['load_s']:.1f} | {r['load_s']:.1f} ({each}) | {r['load_s_vs_one_process']:.2f} |")
         speed.append(f"| {r['method']} | {one['tokens_per_s']:.0f} ({one.get('threads')} threads) | "
                      f"{r['tokens_per_s']:.0f} ({r.get('threads')} threads each) | "
                      f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")
@@ -215,7 +224,7 @@ def ranks_markdown(data: dict) -> str:
     notes += _alloc_note(data, cuda)
     bad = [{**r["one_process"], "method": f"{r['method']} (1 process)"} for r in rows
            if (r.get("one_process") or {}).get("status") not in (None, "ok")]
-    return "\n".join(lines + by_kind + speed + notes + failures(rows + bad)) + "\n"
+    return "\n".join(lines + by_kind + (load if len(load) > 4 else []) + speed + notes + failures(rows + bad)) + "\n"
 
 
 def plot_ranks(data: dict, path: Path) -> None:

@@ -155,6 +155,9 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         probe.sync()
         torch.cuda.reset_peak_memory_stats(device)
     build_s = time.perf_counter() - t_build
+    # start-up: the process's peak RSS from its start until the model is built, prepared (calibrated) and sharded,
+    # and the time that took (the process group, the build and the preparation; the imports before it)
+    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s)
     first = run.method.steady_state_step()
     times, stages = [], []
     for i in range(steps + 1):
