@@ -235,15 +235,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_upcycle(args) -> int:
-    from revffn.models.cache import staged_dir
+    from revffn.models.cache import check_replaceable, staged_dir
     from revffn.models.loading import check_model_ref
     from revffn.models.upcycle import upcycle_into
 
     check_model_ref(args.model, "MODEL")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise UserError(f"--out {args.out}: exists and is not empty. Fix: choose a new directory, or --overwrite to "
-                        "replace it.")
+    check_replaceable(out, args.overwrite)
     with staged_dir(out) as tmp:
         manifest = upcycle_into(args.model, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
     print(json.dumps(manifest) if args.json else

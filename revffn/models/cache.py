@@ -102,6 +102,25 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+def check_replaceable(out: Path, overwrite: bool, flag: str = "--out") -> None:
+    """`out` may be written by `staged_dir`: absent or empty, or (with `overwrite`) a model directory revffn wrote
+    (its revffn.json). Anything else is refused, naming what would have been deleted."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag}: {str(out)!r} is a file. Nothing was written. Fix: give a directory path.")
+    entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if not overwrite:
+        raise UserError(f"{flag}: {str(out)!r} exists and is not empty. Nothing was written. Fix: choose a new "
+                        "directory, or --overwrite to replace it.")
+    if not (out / "revffn.json").is_file():
+        listed = ", ".join(entries[:8]) + (f", ... ({len(entries)} in all)" if len(entries) > 8 else "")
+        raise UserError(f"{flag}: {str(out)!r} is not a model directory revffn wrote (no revffn.json), and "
+                        f"--overwrite would delete what it holds: {listed}. Nothing was written. Fix: choose a new "
+                        "directory, or move those files away.")
+
+
 @functools.cache
 def _libc():
     try:

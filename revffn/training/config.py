@@ -238,14 +238,15 @@ def bounded_yaml(text: str, where: str):
 
 def parse_overrides(items: list[str], path_keys: frozenset[str] = frozenset()) -> dict:
     """`["a=1", "revffn.freeze_router=false"]` -> nested dict; values parsed as YAML scalars, except those of
-    `path_keys` (file and directory keys), taken as the string written (a path may hold ` #`, quotes or
-    colons), unless the key also takes true/false/null and that is what was written."""
+    `path_keys` (file and directory keys), taken as the string written (a path may hold ` #` or colons), unless
+    it is quoted (a YAML string, unquoted as YAML does) or true/false/null."""
     out: dict = {}
     for item in items:
         if "=" not in item:
             raise UserError(f"override {shown(item)} is not key=value. Fix: write it as e.g. max_steps=100.")
         key, raw = item.split("=", 1)
-        if key.strip() in path_keys and raw.strip().lower() not in ("true", "false", "null", "~", ""):
+        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""  # a YAML string: read as YAML
+        if key.strip() in path_keys and not quoted and raw.strip().lower() not in ("true", "false", "null", "~", ""):
             value = raw
         else:
             try:

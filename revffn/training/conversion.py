@@ -30,6 +30,7 @@ from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
 from revffn.methods.base import write_manifest
 from revffn.methods.conversion import calibrate_model, check_source, log_line, peak_rss_bytes, progress_bar
+from revffn.models.cache import check_replaceable
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import STREAM_WIDTHS, convert
 from revffn.models.generation import save_generation_config
@@ -87,12 +88,7 @@ def validate(spec: ConvertSpec):
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
-    out = Path(spec.out)
-    if out.exists() and any(out.iterdir()) and not spec.overwrite:
-        raise UserError(f"--out: {spec.out!r} exists and is not empty. Nothing was written. Fix: choose a new "
-                        "directory, or --overwrite to replace it.")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out: {spec.out!r} is a file. Fix: give a directory path.")
+    check_replaceable(Path(spec.out), spec.overwrite)
     tokenizer = model_tokenizer(spec.model)  # (a Hub ID: its tokenizer files only, not the weights yet)
     if spec.calibration_data != SELF:
         file_rows(spec.calibration_data, tokenizer, spec.calibration_tokens, "--calibration-data",

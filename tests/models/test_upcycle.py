@@ -132,3 +132,23 @@ def test_cli_keeps_a_non_empty_out(tmp_path, capsys):
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"  # a refused run leaves it as it was
     assert main(["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "out")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_only_a_model_directory_revffn_wrote(tmp_path, capsys):
+    """--overwrite replaces an upcycle's (or a convert's) output, never a directory of other files."""
+    src = _save_dense(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    argv = ["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "out"), "--overwrite"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not a model directory revffn wrote" in err and "mine.txt" in err and "Fix:" in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
+    (tmp_path / "out" / "mine.txt").unlink()
+    assert main(argv) == 0 and (tmp_path / "out" / "revffn.json").is_file()
+    assert main(argv) == 0  # its own output: replaced
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "ch1.tex").write_text("keep")
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(tmp_path / "thesis"), "--overwrite"]) == 2
+    assert "not a model directory revffn wrote" in capsys.readouterr().err
+    assert (tmp_path / "thesis" / "ch1.tex").read_text() == "keep"

@@ -117,8 +117,10 @@ def test_task_data_as_calibration_text_warns(tmp_path, capsys):
 
 def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"]) == 2
-    assert "--heal-hidden-coef" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit) as e:  # refused by the flag's type, before anything runs
+        main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"])
+    assert e.value.code == 2
+    assert "--heal-hidden-coef: must be a number >= 0" in capsys.readouterr().err and not out.exists()
 
 
 def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
