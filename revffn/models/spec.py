@@ -105,10 +105,3 @@ def config_value(config, key: str | None, default=None):
         if value is None:
             return default
     return value
-
-
-def has_standard_layout(hf_model, spec: ArchSpec) -> bool:
-    """Every decoder layer has every piece the spec names, each one callable module."""
-    from revffn.models.layout import missing_pieces
-
-    return not missing_pieces(hf_model, spec)

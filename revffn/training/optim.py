@@ -199,7 +199,3 @@ class InBackward:
                             "(or for other parameters). Fix: resume with the optimizer settings it was saved with.")
         for opt, s in zip(self.optimizers, state["in_backward"]):
             opt.load_state_dict(s)
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
