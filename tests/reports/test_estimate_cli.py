@@ -40,7 +40,6 @@ def test_layers_and_hidden_overrides_scale_the_estimate(capsys):
                                        (["--dtype", "float8"], "dtype"),
                                        (["--method", "revffn", "--option", "stage=3"], "option stage: must be <= 2"),
                                        (["--method", "hift", "--option", "group_size=0"], "group_size"),
-                                       (["--world-size", "0"], "--world-size"),
                                        (["--distributed", "zero"], "--distributed"),
                                        (["--distributed", "ddp", "--option", "optimizer_in_backward=true"],
                                         "optimizer_in_backward")])

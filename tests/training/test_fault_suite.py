@@ -111,7 +111,7 @@ def test_every_count_and_number_flag_refuses_what_it_cannot_mean(capsys):
     assert bare == []
     for argv in (["eval", "x", "--data", "builtin:quickstart_test", "--limit", "-1"],
                  ["bench", "--nproc", "0"], ["bench", "--timeout", "nan"], ["estimate", "--model", "x",
-                                                                            "--world-size", "-2"]):
+                                                                            "--world-size", "0"]):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2, argv
