@@ -253,9 +253,11 @@ class Recipe:
         self._open.close()
 
 
-def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str | None = None) -> dict:
+def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str | None = None,
+          held: RunLock | None = None) -> dict:
     """Run one training job described by a validated config; returns the final summary.
-    `restart_error`: why this is restart number `restarts` (events.jsonl).
+    `restart_error`: why this is restart number `restarts` (events.jsonl). `held`: the run directory's lock, taken
+    by the `max_restarts` supervisor (this attempt, its forked child, shares it and leaves it held).
 
     Raises:
         UserError: bad input (nothing written). TrainingDiverged: the loss became NaN/Inf.
@@ -265,7 +267,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     plan = verify_resume(cfg, plan)  # under torchrun: the checkpoint's files hashed once a job, by the ranks
     main = is_main_process()
-    lock = lock_run_dir(cfg, plan, restarts) if main else None
+    lock = lock_run_dir(cfg, plan, restarts, held) if main else None
     agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
     try:
         if main:
@@ -273,18 +275,18 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
             _log_resume(cfg, plan, restarts, restart_error)
         return _train(cfg, plan, restarts, fault, main)
     finally:
-        if lock is not None:
+        if lock is not None and lock is not held:
             lock.release()
 
 
-def lock_run_dir(cfg, plan, restarts: int = 0) -> RunLock:
+def lock_run_dir(cfg, plan, restarts: int = 0, held: RunLock | None = None) -> RunLock:
     """The run directory's `RunLock`, and what needs it held: a final/ swap a killed run left half done is
     finished or rolled back (`sweep_staged`), and a run that another process started since `prepare_run` looked
     is seen now. A lock its holder never released (killed) is taken over, and that is logged in events.jsonl.
     A UserError (held elsewhere, or a run there now) is raised on every rank under torchrun (`agree_on_lock`)."""
-    lock = None
+    lock = held
     try:
-        lock = RunLock(plan.run_dir).acquire()
+        lock = lock or RunLock(plan.run_dir).acquire()
         if lock.taken_over and not restarts:  # a restart follows its own killed attempt: logged as the restart
             _event(plan.run_dir, {"event": "lock_taken_over", "holder": lock.taken_over[:200]},
                    f"took over the run lock from a process that ended without releasing it ({lock.taken_over[:200]})")
@@ -292,7 +294,7 @@ def lock_run_dir(cfg, plan, restarts: int = 0) -> RunLock:
             _event(plan.run_dir, {"event": "final_swap_repaired", "what": line}, line)
         check_output_dir(cfg, plan.run_dir, plan.resume_from)
     except UserError as e:
-        if lock is not None:
+        if lock is not None and lock is not held:
             lock.release()
         agree_on_lock(False, str(e))
         raise
@@ -412,16 +414,23 @@ def run(cfg, fault: Fault | None = None) -> dict:
 def _run(cfg, fault: Fault | None) -> dict:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts
     error = "torchrun restarted the job" if restarts else None
-    while True:
-        try:
-            if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
-                return run_in_child(train, cfg, restarts, fault, error, restart=restarts,
-                                    errors=(UserError, DiskFull, TrainingDiverged, CollectiveTimeout))
-            return train(cfg, restarts, fault, error)
-        except (UserError, TrainingDiverged, KeyboardInterrupt):
-            raise
-        except Exception as e:
-            if restarts >= cfg.max_restarts:
+    held = None  # under max_restarts, from the first restart on: the run lock, held here between the attempts
+    try:
+        while True:
+            try:
+                if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
+                    return run_in_child(train, cfg, restarts, fault, error, held, restart=restarts,
+                                        errors=(UserError, DiskFull, TrainingDiverged, CollectiveTimeout))
+                return train(cfg, restarts, fault, error)
+            except (UserError, TrainingDiverged, KeyboardInterrupt):
                 raise
-            restarts, error = restarts + 1, f"{type(e).__name__}: {e}"
-            cfg = TrainConfig(dict(cfg.values, **restart_values(cfg)), cfg.sections, cfg.source)
+            except Exception as e:
+                if restarts >= cfg.max_restarts:
+                    raise
+                restarts, error = restarts + 1, f"{type(e).__name__}: {e}"
+                cfg = TrainConfig(dict(cfg.values, **restart_values(cfg)), cfg.sections, cfg.source)
+                if held is None:  # the attempt that held the directory is gone: hold it from here on, so no other
+                    held = RunLock(Path(cfg.output_dir)).acquire()  # process starts there between the attempts
+    finally:
+        if held is not None:
+            held.release()

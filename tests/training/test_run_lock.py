@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,20 @@ def test_simultaneous_starts_make_exactly_one_run(tmp_path):
 @pytest.mark.slow
 def test_simultaneous_starts_make_exactly_one_run_20_times(tmp_path):
     _race(tmp_path, 20)
+
+
+@pytest.mark.integration
+def test_between_restarts_the_supervisor_holds_the_run_directory(tmp_path):
+    """Under max_restarts the first attempt (a child) holds the lock; once it dies the supervising process takes it
+    and keeps it for every later attempt, so no other process can start in the directory between two attempts: a
+    second lock tried from inside the restarted attempt names the supervisor as the holder."""
+    probe, run_dir = tmp_path / "probe", tmp_path / "run"
+    script = Path(__file__).with_name("lock_probe_run.py")
+    env = {**os.environ, "LOCK_PROBE_OUT": str(probe), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, str(script), "kill@step:2", *TINY, "max_steps=4", "save_steps=1",
+                           "max_restarts=1", f"output_dir={run_dir}"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    supervisor, outcome = probe.read_text().splitlines()
+    assert f"held by pid {supervisor} on " in outcome, outcome
+    assert [s for s, _ in _losses(run_dir)] == [1, 2, 3, 4]
