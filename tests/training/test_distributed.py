@@ -130,7 +130,7 @@ def test_expert_without_tokens_on_one_rank(tmp_path, method, strategy):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # one code path
 def test_a_resume_hashes_each_checkpoint_file_once_per_job(tmp_path, strategy):
     """Verification on resume runs after the process group is up: the ranks share the checkpoint's files, each
     hashed by one rank (tests/training/hash_count_run.py counts), and both resume from it."""
