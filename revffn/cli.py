@@ -42,25 +42,24 @@ def _nonnegative(s: str) -> int:
     return v
 
 
-def _positive_float(s: str) -> float:
-    """A number > 0 (seconds, ...): NaN and inf refused too."""
+def _bounded_float(s: str, low: float, inclusive: bool, says: str) -> float:
+    """A finite float above `low` (or equal, `inclusive`); NaN and inf refused."""
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+        raise argparse.ArgumentTypeError(f"must be {says}, got {s}") from None
+    if not (low <= v if inclusive else low < v) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be {says}, got {s}")
     return v
+
+
+def _positive_float(s: str) -> float:
+    """A number > 0 (seconds, ...)."""
+    return _bounded_float(s, 0.0, False, "a positive number")
 
 
 def _nonnegative_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
-    return v
+    return _bounded_float(s, 0.0, True, "a number >= 0")
 
 
 def _heal_lr(s: str) -> float | None:

@@ -168,6 +168,7 @@ def staged_dir(out: Path, step=None):
         mark(1)
         if not out.exists():
             tmp.rename(out)
+            _fsync(out.parent)
         elif _exchange(tmp, out):
             _fsync(out.parent)
             mark(2)
@@ -186,7 +187,6 @@ def staged_dir(out: Path, step=None):
             mark(3)
             shutil.rmtree(aside, ignore_errors=True)
             mark(4)
-        _fsync(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

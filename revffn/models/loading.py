@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from revffn.errors import UserError, closest
+from revffn.errors import UserError, closest, one_line
 from revffn.models.cache import CACHED_MODELS, cached_model, gguf_model
 from revffn.models.gguf import gguf_file, several_gguf_error
 from revffn.models.hub import parse_hub_id, snapshot
@@ -88,8 +88,6 @@ def _check_model_dir(path: Path, model: str, key: str) -> None:
 def check_config_json(path: Path, key: str = "model") -> None:
     """config.json parses and its values have the types the model's config class declares (transformers
     validates them), reported as config.json's problem, with the key it names."""
-    from revffn.errors import one_line
-
     config = Path(path) / "config.json"
     try:
         json.loads(config.read_text())

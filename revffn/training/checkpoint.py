@@ -104,7 +104,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    with disk_guard(f"checkpoint step-{step}", tmp, lambda: state_bytes(model, optimizer), remove=main):
+    with disk_guard(f"checkpoint step-{step}", root, lambda: state_bytes(model, optimizer), tmp if main else None):
         _write_checkpoint(root, final, tmp, step, model, optimizer, trainer_state, config_text, math_config, keep,
                           fault, sharded, main)
     return final
@@ -119,21 +119,22 @@ def state_bytes(model, optimizer=None) -> int:
 
 
 @contextlib.contextmanager
-def disk_guard(what: str, tmp: Path, needed, remove: bool = True):
-    """A write of `what` into `tmp` that the disk refuses (no space, the file-size limit, a quota: `disk_fault`)
-    becomes one `DiskFull` line, exit 1, with `tmp` removed; `needed()` estimates the bytes it needs."""
+def disk_guard(what: str, where: Path, needed, partial: Path | None = None):
+    """A write of `what` in directory `where` that the disk refuses (no space, the file-size limit, a quota:
+    `disk_fault`) becomes one `DiskFull` line, exit 1, with `partial` (what was written of it) removed; `needed()`
+    estimates the bytes it needs."""
     try:
         yield
     except Exception as e:
         why = disk_fault(e)
         if why is None:
             raise
-        if remove:
-            shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(tmp.parent).free
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(where).free
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         cap = "" if limit == resource.RLIM_INFINITY else f", and files are limited to {limit:,} bytes (ulimit -f)"
-        raise DiskFull(f"cannot write {what} in {str(tmp.parent)!r}: {why}. It needs about {needed():,} bytes; "
+        raise DiskFull(f"cannot write {what} in {str(where)!r}: {why}. It needs about {needed():,} bytes; "
                        f"{free:,} are free{cap}. The partial write is removed; what was saved before is kept. Fix: "
                        "free disk space (or raise the limit), then resume=true.") from None
 

@@ -238,8 +238,8 @@ class Recipe:
             return run_dir / "final"
         final = run_dir / "final"
         step = None if self.fault is None else (lambda k: self.fault("final", k))
-        with disk_guard("final/", run_dir / ".tmp-final", lambda: state_bytes(self.run.model), remove=False):
-            with staged_dir(final, step) as tmp:  # (removes its partial write itself)
+        with disk_guard("final/", run_dir, lambda: state_bytes(self.run.model)):  # (staged_dir removes the partial
+            with staged_dir(final, step) as tmp:  # write itself)
                 self.run.method.export(self.run.model, tmp)
                 self.plan.tokenizer.save_pretrained(tmp)
                 save_generation_config(tmp, self.plan.tokenizer)

@@ -55,10 +55,6 @@ class RunPlan:
 RUN_MARKER = ".revffn-run"  # written when a run starts: what `overwrite=true` may clear is a revffn run's
 
 
-def _holds_run(run_dir: Path) -> bool:
-    return bool(run_files(run_dir))
-
-
 def run_files(run_dir: Path) -> list[str]:
     """The names in `run_dir` that a run writes (and `overwrite=true` would delete), as `ls` shows them."""
     if not run_dir.is_dir():

@@ -55,6 +55,16 @@ def reference(tmp_path_factory):
     return losses
 
 
+def _resume_matches(cfg: Path, run: Path, reference: dict[int, float]) -> None:
+    """resume=true finishes the run, and every step's loss is the uninterrupted run's (1e-6)."""
+    second = _train(cfg, "resume=true")
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed = _losses(run)
+    assert sorted(resumed) == list(range(1, 11))
+    for step, loss in reference.items():
+        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
+
+
 @pytest.mark.parametrize("fault,expect_ckpt", [("kill@step:8", 6), ("kill@save:9", 6)])
 def test_kill_and_resume_reproduces_losses(tmp_path, reference, fault, expect_ckpt):
     cfg = _write(tmp_path, "run")
@@ -62,12 +72,7 @@ def test_kill_and_resume_reproduces_losses(tmp_path, reference, fault, expect_ck
     assert first.returncode == -9, first.stderr[-2000:]  # SIGKILL
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert ckpts[-1].name == f"step-{expect_ckpt}"
-    second = _train(cfg, "resume=true")
-    assert second.returncode == 0, second.stderr[-2000:]
-    resumed = _losses(tmp_path / "run")
-    assert sorted(resumed) == list(range(1, 11))
-    for step, loss in reference.items():
-        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
+    _resume_matches(cfg, tmp_path / "run", reference)
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
@@ -85,12 +90,7 @@ def test_a_full_disk_while_saving_exits_1_in_one_line_and_resume_continues_exact
     assert "limited to 1,024 bytes" in errors[0] and "resume=true" in errors[0], errors[0]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3"]
-    second = _train(cfg, "resume=true")
-    assert second.returncode == 0, second.stderr[-2000:]
-    resumed = _losses(tmp_path / "run")
-    assert sorted(resumed) == list(range(1, 11))
-    for step, loss in reference.items():
-        assert abs(resumed[step] - loss) <= 1e-6, (step, resumed[step], loss)
+    _resume_matches(cfg, tmp_path / "run", reference)
 
 
 def test_damaged_latest_checkpoint_rolls_back(tmp_path):
