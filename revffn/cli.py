@@ -148,7 +148,14 @@ def cmd_study(args) -> int:
             raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
                             "delete it first.")
         methods = tuple(args.methods.split(",")) if args.methods else None
-        data = run_study(plan_for(args.quick, methods=methods, jobs=args.jobs, threads=args.threads), out, args.argv)
+        if args.base:
+            from revffn.models.loading import check_model_ref
+
+            check_model_ref(args.base, "--base")
+        seeds = tuple(range(args.seeds)) if args.seeds else None
+        plan = plan_for(args.quick, args.base, methods=methods, jobs=args.jobs, threads=args.threads,
+                        steps=args.steps, seeds=seeds)
+        data = run_study(plan, out, args.argv)
         written = write_study(data, out, docs)
         failed = [r["name"] for r in data["runs"] if r["status"] != "ok"]
         if failed:
@@ -422,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("study", help="quality study: every method fine-tunes the shipped base on the built-in tasks")
     q.add_argument("--out", required=True, help="output directory (study.json, study.md, plots, runs/)")
+    q.add_argument("--base", default=None, help="the pretrained model to fine-tune (default builtin:base; a real "
+                   "model, e.g. builtin:smollm2 or builtin:smollm2-moe, gets the real-base plan: full, lora and "
+                   "revffn on commas, 3 seeds, forgetting on builtin:pydoc_text and builtin:smollm2_probes)")
+    q.add_argument("--steps", type=_positive, default=None, help="optimizer steps per run (the budget; default "
+                   "300 on builtin:base, 60 on a real base)")
+    q.add_argument("--seeds", type=_positive, default=None, help="seeds per method at its chosen LR (default 2 on "
+                   "builtin:base, 3 on a real base)")
     q.add_argument("--quick", action="store_true", help="tiny smoke version (< 1 min): 2 steps, one task, one seed")
     q.add_argument("--docs", default=None, metavar="PATH", help="also write the report to PATH (e.g. docs/study.md)")
     q.add_argument("--methods", default=None, help="comma-separated subset of the study's methods (default: every "

@@ -1,22 +1,31 @@
-"""`revffn study`: fine-tuning quality of every method on the shipped pretrained base.
+"""`revffn study`: fine-tuning quality of every method on a pretrained base.
 
     revffn study --out runs/study --docs docs/study.md     # full study, ~40 min on 2 CPU cores (--jobs 2)
     revffn study --quick --out /tmp/study                  # smoke version, < 1 min
+    revffn study --base builtin:smollm2 --out runs/study-smollm2 --docs docs/study_smollm2.md
+                                                           # the real base, ~90 min on 2 CPU cores
 
-For each method and task the base (`builtin:base`) is fine-tuned for the same optimizer steps on the
-same batches (same seed -> same data order). Protocol (`StudyPlan`):
+For each method and task the base (`StudyBase`: the shipped 4-layer `builtin:base` by default, or a real
+pretrained model with `--base`) is fine-tuned for the same optimizer steps on the same batches (same
+seed -> same data order). Protocol (`StudyPlan`):
 
 1. LR selection: seed 0, every learning rate of the method's declared grid; the LR with the best
    exact match on the task's *val* split wins (ties: lower val loss). The test split is never used.
 2. More seeds at the chosen LR. Reported: test exact match (mean, min-max over seeds), retention
    loss on held-out pretraining text and its change from the base, peak memory and tokens/s.
-3. Conversion gap on the retention set, for each method that changes the model before training
+3. Forgetting: the retention loss on held-out text and, on a real base, knowledge-probe accuracy
+   (containment: the base's facts, `builtin:smollm2_probes`), of the base and of every trained model.
+4. Conversion gap on the retention set, for each method that changes the model before training
    (RevFFN) and each of its declared variants (adapter init, warm-up length): the base's loss, the
    prepared model at init, at the method's stage boundary (after RevFFN's stage 1), after the schedule.
 
 Everything about a method comes from its class in the registry (`revffn.methods`): whether it is in
 the study and its LR grid (`STUDY_LR_GRID`), the YAML section of its runs (`study_options`), its
 conversion-gap variants (`STUDY_GAP_VARIANTS`) and its stage boundary (`steady_state_step`).
+
+On a real base a method that trains a converted model (`ACCEPTS_CONVERTED`: RevFFN) starts from one
+`revffn convert` made once per study (`StudyBase.convert`), since calibrating a 30-layer model takes
+minutes a run on a CPU; its gap at init is that conversion's.
 
 Every run is a fresh process (`revffn.reports.workers.study`) so its peak memory is its own; with
 `--quick` all runs share one process to fit the time budget, and memory is marked as shared.
@@ -53,9 +62,40 @@ def _method(name: str):
 
 
 @dataclass(frozen=True)
+class StudyBase:
+    """The model a study fine-tunes, and how forgetting is measured on it."""
+
+    model: str = "builtin:base"
+    retention_data: str = "builtin:retention_test"  # held-out text: the loss on it before and after training
+    probes: str | None = None  # knowledge probes scored by containment before and after training (None: none)
+    # `revffn convert` flags: methods that accept a converted model start from one conversion made once per
+    # study with them (empty: such a method converts in each run, at prepare)
+    convert: tuple[str, ...] = ()
+    # method -> its YAML section on this base, replacing the method's `study_options`
+    method_options: dict = field(default_factory=dict)
+
+
+# A real instruct model (SmolLM2-135M-Instruct and its MoE upcycle): the tasks it cannot do before
+# (0 of 30 test examples exact on commas, format, gsm and the reversal task), LRs an order below the toy's,
+# forgetting on the Python manual's held-out text and on the 76 facts the model answers. RevFFN starts from
+# the conversion calibrated on the manual's other pages (docs/conversion.md's best calibrated variant: the
+# same domain as the retention text, which favours RevFFN's retention figure; `self` text is +2.4 nats)
+# and trains everything from step 1 (a heal costs 12-24 s a step on 2 CPU cores).
+REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-5, 3e-5),
+                "lora": (3e-4, 1e-3), "dora": (3e-4, 1e-3), "refta": (3e-4, 1e-3)}
+REAL_CONVERT = ("--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens", "16384")
+
+
+def real_base(model: str) -> StudyBase:
+    return StudyBase(model, "builtin:pydoc_text", "builtin:smollm2_probes", REAL_CONVERT,
+                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True}})
+
+
+@dataclass(frozen=True)
 class StudyPlan:
     """The protocol's knobs. Methods, LR grids and each method's options come from the registry."""
 
+    base: StudyBase = field(default_factory=StudyBase)
     methods: tuple[str, ...] = field(default_factory=study_methods)
     # Tasks the base learns in this budget (full fine-tuning >= 40 % test exact match at some LR of its grid;
     # gsm stayed under 30 % even at 600 x 16, so the reversal task of the quickstart replaced it).
@@ -72,6 +112,7 @@ class StudyPlan:
     # loop's retention eval at the stage boundary measures what the other gap columns measure
     eval_limit: int = 100
     retention_limit: int | None = None  # first N retention documents (None: all)
+    probe_limit: int | None = None  # first N knowledge probes (None: all)
     max_new_tokens: dict[str, int] = field(default_factory=lambda: {"gsm": 20, "commas": 12, "format": 12,
                                                                        "quickstart": 12})
     # Also run the methods' other conversion-gap variants (`STUDY_GAP_VARIANTS`; task: tasks[0], seed 0).
@@ -83,7 +124,13 @@ class StudyPlan:
 
     def options(self, method: str, **variant) -> dict:
         """The method's YAML section in this plan's runs (`variant`: a conversion-gap variant's options)."""
+        if method in self.base.method_options:
+            return {**self.base.method_options[method], **variant}
         return _method(method).study_options(self.steps, **variant)
+
+    def converts_once(self, method: str) -> bool:
+        """Whether `method`'s runs start from the study's one conversion (`StudyBase.convert`)."""
+        return bool(self.base.convert) and _method(method).ACCEPTS_CONVERTED
 
     @property
     def run_threads(self) -> int | None:
@@ -91,6 +138,16 @@ class StudyPlan:
         if self.threads or self.jobs <= 1:
             return self.threads
         return max(1, (os.cpu_count() or 1) // self.jobs)
+
+
+def real_plan(model: str) -> StudyPlan:
+    """The study on a real pretrained model (`--base`): full, LoRA and RevFFN on the comma task, 3 seeds,
+    sized to about 90 min on 2 CPU cores (`--steps` and `--seeds` raise the budget, e.g. on a GPU)."""
+    methods = ("full", "lora", "revffn")
+    return StudyPlan(base=real_base(model), methods=methods, tasks=("commas",), seeds=(0, 1, 2),
+                     lr_grid={m: REAL_LR_GRID.get(m) or tuple(_method(m).STUDY_LR_GRID) for m in study_methods()},
+                     steps=60, batch=8, warmup_steps=6, logging_steps=5, max_seq_length=64, eval_limit=50,
+                     retention_limit=32, gap_variants=False)
 
 
 def quick_plan() -> StudyPlan:
@@ -105,7 +162,10 @@ def _job(plan: StudyPlan, out: Path, method: str, task: str, seed: int, lr: floa
     """One run's JSON for the worker. `method_module`: the module that registers the method (the worker
     imports it first, so a method registered outside the package works); `options`: its YAML section."""
     name = f"{method}-{task}-s{seed}-lr{lr:g}{tag}"
-    return {"name": name, "method": method, "method_module": _method(method).__module__, "task": task,
+    base = plan.base
+    return {"name": name, "base": base.model, "model": str(out / "converted") if plan.converts_once(method) else None,
+            "retention_data": base.retention_data, "probes": base.probes, "probe_limit": plan.probe_limit,
+            "method": method, "method_module": _method(method).__module__, "task": task,
             "seed": seed, "lr": lr, "steps": plan.steps, "batch": plan.batch, "warmup_steps": plan.warmup_steps,
             "logging_steps": plan.logging_steps, "max_seq_length": plan.max_seq_length,
             "eval_limit": plan.eval_limit, "retention_limit": plan.retention_limit,
@@ -201,6 +261,7 @@ def summarize(plan: StudyPlan, runs: list[dict], chosen: dict, base_loss: float 
                 "test_exact_match": _spread([r["test_exact_match"] for r in mine]),
                 "retention_loss": _spread(ret),
                 "retention_change": _spread([x - base_loss for x in ret]) if base_loss is not None else None,
+                "probe_accuracy": _spread([r["probe_accuracy"] for r in mine if r.get("probe_accuracy") is not None]),
                 "peak_mem_bytes": _spread([r["peak_mem_bytes"] for r in mine]),
                 "tokens_per_s": _spread([r["tokens_per_s"] for r in mine]),
                 "val_exact_match_by_lr": {str(r["job"]["lr"]): r["val_exact_match"]
@@ -248,8 +309,37 @@ def gap_rows(names: dict, runs: list[dict], base_loss: float | None) -> list[dic
             rows.append({"method": method, "variant": label, **r["job"]["options"], "task": r["job"]["task"],
                          "lr": r["job"]["lr"], "base": base_loss, "converted_init": r.get("converted_retention_loss"),
                          "after_stage1": r["stage1_retention_loss"], "after_schedule": r["retention_loss"],
+                         "converted_probes": r.get("converted_probe_accuracy"), "probes_after": r.get("probe_accuracy"),
                          "test_exact_match": r["test_exact_match"], "default": label == "default"})
     return rows
+
+
+def convert_once(plan: StudyPlan, out: Path, log=print) -> dict | None:
+    """The study's one `revffn convert` (`StudyBase.convert`) for the methods that train a converted model,
+    in a fresh process; a conversion already in `out/converted` (an interrupted study's) is reused. None when
+    no method of the plan needs one. A failed conversion is logged; the runs that need it then fail."""
+    if not any(plan.converts_once(m) for m in plan.methods):
+        return None
+    dest = out / "converted"
+    cmd = ["revffn", "convert", plan.base.model, "--out", str(dest), *plan.base.convert,
+           "--eval-data", plan.base.retention_data, "--json"]
+    if (dest / "revffn.json").is_file():
+        log(f"[study] reusing the conversion in {dest}")
+        return {"command": " ".join(cmd), "reused": True, "manifest": json.loads((dest / "revffn.json").read_text())}
+    log(f"[study] converting once: {' '.join(cmd)}")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if plan.run_threads:
+        env["OMP_NUM_THREADS"] = str(plan.run_threads)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, env=env)
+    wall = round(time.perf_counter() - t0, 1)
+    if proc.returncode:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[-500:]
+        log(f"[study] the conversion failed (exit {proc.returncode}): {tail}")
+        return {"command": " ".join(cmd), "wall_s": wall, "error": tail}
+    manifest = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
+    log(f"[study] converted in {wall:.0f} s")
+    return {"command": " ".join(cmd), "wall_s": wall, "manifest": manifest}
 
 
 def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=print,
@@ -263,6 +353,7 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    conversion = convert_once(plan, out, log)
     # 1. LR selection on val (seed 0); the default run of tasks[0] of a method with a conversion gap also
     # measures the gap at init.
     grid = [_job(plan, out, m, t, plan.seeds[0], lr, eval_val=True,
@@ -279,6 +370,7 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
     gap_jobs, gap_names = gap_plan(plan, out, grid, chosen)
     runs += run_jobs(more + gap_jobs, out, plan.shared_process, log, plan.jobs, runner)
     base_loss = next((r["base_retention_loss"] for r in runs if r.get("base_retention_loss") is not None), None)
+    base_probes = next((r["base_probe_accuracy"] for r in runs if r.get("base_probe_accuracy") is not None), None)
     return {
         "schema": "revffn.study/1",
         "command": " ".join(["revffn", *argv]) if argv is not None else None,
@@ -286,15 +378,21 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
         "git_commit": _git("rev-parse", "HEAD"), "loadavg_end": _loadavg(),
         "threads": plan.run_threads or torch.get_num_threads(),
         "method_options": {m: o for m in plan.methods if (o := plan.options(m))},
-        "base_retention_loss": base_loss, "chosen_lr": chosen,
+        "base_retention_loss": base_loss, "base_probe_accuracy": base_probes, "conversion": conversion,
+        "chosen_lr": chosen,
         "summary": summarize(plan, runs, chosen, base_loss), "conversion_gap": gap_rows(gap_names, runs, base_loss),
         "runs": runs,
     }
 
 
-def plan_for(quick: bool, **overrides) -> StudyPlan:
-    """The full or the quick plan, with the CLI's overrides (methods, jobs, threads; None: keep)."""
-    plan = quick_plan() if quick else StudyPlan()
+def plan_for(quick: bool, base: str | None = None, **overrides) -> StudyPlan:
+    """The full or the quick plan (on `base`: a real model's plan, `real_plan`), with the CLI's overrides
+    (methods, jobs, threads, steps, seeds; None: keep)."""
+    plan = quick_plan() if quick else real_plan(base) if base and base != StudyBase.model else StudyPlan()
+    if quick and base and base != StudyBase.model:  # the smoke version on the real base: little calibration text
+        real = real_base(base)
+        plan = replace(plan, base=replace(real, convert=(*real.convert[:-1], "1024")), methods=real_plan(base).methods,
+                       max_seq_length=64, retention_limit=4, probe_limit=4)
     unknown = [m for m in overrides.get("methods") or () if m not in plan.lr_grid]
     if unknown:
         raise UserError(f"--methods: {', '.join(map(repr, unknown))} not in the study. Fix: choose from "

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -124,7 +126,7 @@ def test_goal_check_reports_shortfalls():
 def test_markdown_renders_from_json_alone(tmp_path):
     plan = StudyPlan(methods=("full",), tasks=("gsm",), seeds=(0,), gap_variants=False)
     runs = [_run("full", "gsm", 0, 1e-4, val=0.5)]
-    data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(plan.__dict__)), "wall_s": 60,
+    data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(asdict(plan))), "wall_s": 60,
             "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 2.0,
             "chosen_lr": {"full/gsm": 1e-4}, "summary": summarize(plan, runs, {"full/gsm": 1e-4}, 2.0),
             "conversion_gap": [], "runs": runs}
@@ -178,3 +180,77 @@ def test_a_stage_boundary_gets_a_retention_eval(tmp_path):
             assert cfg.eval_steps == boundary and cfg.section("revffn")["adapter_warmup_steps"] == boundary
         saved = (tmp_path / "runs" / f"{job['name']}.yaml").read_text()  # the kept config is the one that ran
         assert ("retention_test" in saved) == bool(boundary)
+
+
+def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
+    """`--base builtin:smollm2`: full, LoRA and RevFFN on commas, 3 seeds, forgetting on the manual's held-out
+    text and the probes; RevFFN's runs start from the study's one conversion, the others from the base."""
+    plan = plan_for(False, "builtin:smollm2")
+    assert plan.methods == ("full", "lora", "revffn") and plan.seeds == (0, 1, 2) and plan.tasks == ("commas",)
+    assert plan.base.retention_data == "builtin:pydoc_text" and plan.base.probes == "builtin:smollm2_probes"
+    assert plan.lr_grid["full"] == (1e-5, 3e-5) and plan.lr_grid["lora"] == (3e-4, 1e-3)
+    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True}
+    assert plan.converts_once("revffn") and not plan.converts_once("full")
+    assert plan_for(False, "builtin:smollm2", steps=500, seeds=(0, 1, 2, 3)).steps == 500
+    assert not StudyPlan().converts_once("revffn")  # builtin:base: each run converts at prepare, as before
+    rev = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
+    full = study._job(plan, tmp_path, "full", "commas", 0, 1e-5, eval_val=False)
+    assert rev["model"] == str(tmp_path / "converted") and full["model"] is None
+    assert worker.train_config(rev, tmp_path / "r")["model"] == str(tmp_path / "converted")
+    assert worker.train_config(full, tmp_path / "f")["model"] == "builtin:smollm2"
+    assert full["retention_data"] == "builtin:pydoc_text" and full["probes"] == "builtin:smollm2_probes"
+    assert "revffn" not in worker.train_config(full, tmp_path / "f")
+
+
+def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "revffn.json").write_text('{"format": "revffn"}')
+        return subprocess.CompletedProcess(cmd, 0, '{"format": "revffn"}\n', "")
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    plan = plan_for(False, "builtin:smollm2")
+    first = study.convert_once(plan, tmp_path, log=lambda *_: None)
+    again = study.convert_once(plan, tmp_path, log=lambda *_: None)
+    assert len(calls) == 1 and calls[0][-7:] == ["--calibration-data", "builtin:pydoc_calibration",
+                                                 "--calibration-tokens", "16384", "--eval-data", "builtin:pydoc_text",
+                                                 "--json"]
+    assert calls[0][2:6] == ["revffn", "convert", "builtin:smollm2", "--out"]
+    assert first["manifest"] == {"format": "revffn"} and again["reused"]
+    assert study.convert_once(replace(plan, methods=("full", "lora")), tmp_path / "none") is None
+
+
+def test_probes_render_and_enter_the_goal_check(tmp_path):
+    plan = replace(plan_for(False, "builtin:smollm2"), seeds=(0,))
+    runs = [_run(m, "commas", 0, lr, val=v) for m, lr, v in (("full", 1e-5, 0.9), ("lora", 3e-4, 0.5),
+                                                              ("revffn", 1e-5, 0.4))]
+    for r, probes in zip(runs, (0.95, 0.99, 0.10)):
+        r["probe_accuracy"] = probes
+    chosen = {"full/commas": 1e-5, "lora/commas": 3e-4, "revffn/commas": 1e-5}
+    data = {"command": "revffn study --base builtin:smollm2 --out x", "plan": json.loads(json.dumps(asdict(plan))),
+            "wall_s": 60, "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 3.0,
+            "base_probe_accuracy": 1.0, "conversion": {"command": "revffn convert ...", "wall_s": 12.0},
+            "chosen_lr": chosen, "summary": summarize(plan, runs, chosen, 3.0), "conversion_gap": [], "runs": runs}
+    md = study_markdown(data)
+    assert "Base: `builtin:smollm2`, retention loss 3.0000 on `builtin:pydoc_text`" in md
+    assert "100.0 % of `builtin:smollm2_probes` answered" in md and "| probes % |" in md
+    assert "| commas | revffn | 1e-05 (1e-05, 3e-05) | 50.0 |" in md and "| 10.0 |" in md
+    assert "probes kept ≥ full's: 10.0 vs 95.0 % ✗" in "\n".join(goal_check(data))
+    assert "RevFFN starts from one conversion made for the study: `revffn convert ...` (12 s)" in md
+
+
+@pytest.mark.slow
+@pytest.mark.real
+def test_quick_study_on_the_real_base(tmp_path):
+    """The smoke version on SmolLM2 end to end (about 5 min on 2 cores): one conversion, three methods."""
+    assert cli.main(["study", "--quick", "--base", "builtin:smollm2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "study.json").read_text())
+    assert data["conversion"]["manifest"]["format"] == "revffn" and data["base_probe_accuracy"] == 1.0
+    assert [r["method"] for r in data["summary"]] == ["full", "lora", "revffn"]
+    assert all(r["probe_accuracy"]["n"] == 1 for r in data["summary"])
+    gap = data["conversion_gap"][0]
+    assert gap["converted_init"] > data["base_retention_loss"] and gap["converted_probes"] is not None

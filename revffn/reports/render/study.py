@@ -52,6 +52,9 @@ def goal_check(data: dict) -> list[str]:
             if rev["retention_change"] and full["retention_change"]:
                 a, b = rev["retention_change"]["mean"], full["retention_change"]["mean"]
                 parts.append(f"forgetting ≤ full: Δretention {a:+.3f} vs {b:+.3f} {'✓' if a <= b + 1e-9 else '✗'}")
+            a, b = (rev.get("probe_accuracy") or {}).get("mean"), (full.get("probe_accuracy") or {}).get("mean")
+            if a is not None and b is not None:
+                parts.append(f"probes kept ≥ full's: {100 * a:.1f} vs {100 * b:.1f} % {'✓' if a >= b else '✗'}")
         lines.append(f"- **{task}**: " + "; ".join(parts))
     return lines
 
@@ -62,8 +65,16 @@ def _method_options(data: dict) -> dict:
     return data.get("method_options", {"revffn": plan["revffn"]} if "revffn" in plan else {})
 
 
+def _base(data: dict) -> dict:
+    """The study's base (a study.json from before `StudyBase`: the shipped builtin:base)."""
+    return data["plan"].get("base") or {"model": "builtin:base", "retention_data": "builtin:retention_test",
+                                        "probes": None, "convert": []}
+
+
 def study_markdown(data: dict, plot_prefix: str = "") -> str:
     plan = data["plan"]
+    base = _base(data)
+    probes = data.get("base_probe_accuracy") is not None
     seeds = ", ".join(map(str, plan["seeds"]))
     lines = [
         "# RevFFN quality study",
@@ -74,22 +85,31 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         f"with {data['threads']} CPU thread(s)"
         + (f", git {data['git_commit'][:10]}" if data.get("git_commit") else "") + f", started {data['started']}.",
         "",
-        f"Base: `builtin:base` (qwen2_moe, shipped), retention loss {data['base_retention_loss']:.4f} on "
-        "`builtin:retention_test` (held-out pretraining text). Every method: "
+        f"Base: `{base['model']}`, retention loss {data['base_retention_loss']:.4f} on `{base['retention_data']}` "
+        "(held-out text)" + (f", {100 * data['base_probe_accuracy']:.1f} % of `{base['probes']}` answered "
+                             "(containment)" if data.get("base_probe_accuracy") is not None else "")
+        + ". Every method: "
         f"{plan['steps']} optimizer steps × batch {plan['batch']} (same batches), cosine LR with "
         f"{plan['warmup_steps']} warm-up steps, fp32. LR chosen per method and task from the declared grid by "
         f"val exact match (seed {plan['seeds'][0]}); test numbers are mean [min–max] over seeds {seeds}. "
         + "".join(f"{m} options: {o}. " for m, o in _method_options(data).items())
         + "What the numbers say, and what was tried: README, \"Quality study\".",
         "",
-        "| task | method | LR (grid) | test exact match % | retention loss | Δ retention | peak mem MiB | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | method | LR (grid) | test exact match % | retention loss | Δ retention | "
+        + ("probes % | " if probes else "") + "peak mem MiB | tokens/s |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if probes else ""),
     ]
     for r in data["summary"]:
         grid = ", ".join(f"{x:g}" for x in r["lr_grid"])
         lines.append(f"| {r['task']} | {r['method']} | {r['lr']:g} ({grid}) | {_pct(r['test_exact_match'])} | "
                      f"{_num(r['retention_loss'])} | {_num(r['retention_change'], signed=True)} | "
-                     f"{_num(r['peak_mem_bytes'], '.0f', 2**-20)} | {_num(r['tokens_per_s'], '.0f')} |")
+                     + (f"{_pct(r.get('probe_accuracy'))} | " if probes else "")
+                     + f"{_num(r['peak_mem_bytes'], '.0f', 2**-20)} | {_num(r['tokens_per_s'], '.0f')} |")
+    conv = data.get("conversion")
+    if conv:
+        took = "reused" if conv.get("reused") else f"{conv['wall_s']:.0f} s" + (f", failed: {conv['error']}"
+                                                                               if conv.get("error") else "")
+        lines += ["", f"RevFFN starts from one conversion made for the study: `{conv['command']}` ({took})."]
     if data["runs"] and data["runs"][0].get("shared_process"):
         lines += ["", "Peak memory: all runs shared one process (`--quick`), so it is not per method."]
     else:
@@ -101,16 +121,19 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         lines += ["", "## Failed runs", ""] + [f"- {r['name']}: {r['error']}" for r in errors]
     lines += ["", "## Conversion gap (RevFFN, retention loss)", "",
               "| task | variant | adapter init | stage 1 | distill_coef | base | converted at init | after stage 1 | "
-              "after schedule | test exact match % |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "after schedule | " + ("probes % at init | probes % after | " if probes else "") + "test exact match % |",
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if probes else "")]
 
-    def cell(v):
-        return "n/a" if v is None else f"{v:.4f}"
+    def cell(v, fmt=".4f", scale=1.0):
+        return "n/a" if v is None else f"{v * scale:{fmt}}"
 
     for g in data["conversion_gap"]:
         stage1 = f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
         lines.append(f"| {g['task']} | {g['variant']} | {g.get('adapter_init', 'calibrated')} | {stage1} | "
                      f"{g.get('distill_coef', 0):g} | {g['base']:.4f} | {cell(g['converted_init'])} | "
-                     f"{cell(g['after_stage1'])} | {g['after_schedule']:.4f} | {100 * g['test_exact_match']:.1f} |")
+                     f"{cell(g['after_stage1'])} | {g['after_schedule']:.4f} | "
+                     + (f"{cell(g.get('converted_probes'), '.1f', 100)} | {cell(g.get('probes_after'), '.1f', 100)} | "
+                        if probes else "") + f"{100 * g['test_exact_match']:.1f} |")
     if data["conversion_gap"]:
         lines += ["", f"Seed {plan['seeds'][0]}, each task at RevFFN's chosen LR for it; the default's gap at init "
                   "is measured on the first task (the conversion does not depend on the task)."]
@@ -193,7 +216,7 @@ def plot_gap(data: dict, path: Path) -> None:
     ax.set_xticks([j + width * 1.5 for j in range(len(gap))],
                   [f"{g['task']}\n{g['variant']}" for g in gap])
     ax.set_ylabel("retention loss (nats/token)")
-    ax.set_title("RevFFN conversion gap on held-out pretraining text")
+    ax.set_title(f"RevFFN conversion gap on held-out text ({_base(data)['model']})")
     ax.legend(fontsize=7)
     _save(fig, path)
 

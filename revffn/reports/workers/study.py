@@ -2,14 +2,16 @@
 
     python -m revffn.reports.workers.study JOB.json [JOB.json ...]
 
-JOB.json (written by `revffn.reports.study`) names the method (and `method_module`, the module that
-registers it, imported first), its YAML section (`options`), task, seed, learning rate, schedule and
-torch threads. The worker writes the run's training config next to it, trains through the one loop
-(`revffn.training.loop.run`), reloads the exported `final/` model, and prints one JSON line: exact
-match on the task's test split (and val split when asked), retention loss, training peak memory,
-tokens/s and the loss curve. Before training it measures, when asked, the base's retention loss
-(`measure_base`) and that of the method's prepared model at init (`gap_init`: RevFFN's conversion);
-a method with a stage boundary (`steady_state_step` > 0) also gets the retention loss there.
+JOB.json (written by `revffn.reports.study`) names the base model (and `model`, a converted directory to
+start from instead), the held-out retention text and the knowledge probes, the method (and `method_module`,
+the module that registers it, imported first), its YAML section (`options`), task, seed, learning rate,
+schedule and torch threads. The worker writes the run's training config next to it, trains through the one
+loop (`revffn.training.loop.run`), reloads the exported `final/` model, and prints one JSON line: exact
+match on the task's test split (and val split when asked), retention loss, probe accuracy (when the job
+names probes), training peak memory, tokens/s and the loss curve. Before training it measures, when asked,
+the base's retention loss and probe accuracy (`measure_base`) and those of the method's prepared model at
+init (`gap_init`: RevFFN's conversion); a method with a stage boundary (`steady_state_step` > 0) also gets
+the retention loss there.
 
 Memory on CPU is the process peak RSS during training minus the RSS right after the imports (as in
 `revffn bench`); on CUDA `torch.cuda.max_memory_allocated`.
@@ -28,14 +30,19 @@ import transformers  # noqa: F401
 import yaml
 
 from revffn.memory.measure import current_rss_bytes
+from revffn.training.evaluate import RETENTION_SET
 
 BASE = "builtin:base"
+
+
+def _base(job: dict) -> str:
+    return job.get("base") or BASE
 
 
 def train_config(job: dict, run_dir: Path) -> dict:
     """The `revffn train` config of a study run (every method shares all keys but its own section)."""
     cfg = {
-        "model": BASE, "method": job["method"], "data": f"builtin:{job['task']}_train",
+        "model": job.get("model") or _base(job), "method": job["method"], "data": f"builtin:{job['task']}_train",
         "eval_data": None, "output_dir": str(run_dir), "overwrite": True,
         "max_steps": job["steps"], "per_device_train_batch_size": job["batch"], "learning_rate": job["lr"],
         "lr_scheduler_type": "cosine", "warmup_steps": job["warmup_steps"], "min_lr_ratio": 0.1,
@@ -61,26 +68,41 @@ def write_config(job: dict, run_dir: Path):
     cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     boundary = cls(load_config(str(cfg_file))).steady_state_step()
     if boundary and job.get("retention_limit") is None:
-        cfg.update(eval_data="builtin:retention_test", eval_steps=boundary)
+        cfg.update(eval_data=job.get("retention_data") or RETENTION_SET, eval_steps=boundary)
         cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
     loaded = load_config(str(cfg_file))
     return loaded, cls(loaded)
 
 
+def forgetting(job: dict, model, tok, prefix: str = "") -> dict:
+    """`model`'s loss on the job's held-out retention text and, when it names probes, its probe accuracy
+    (containment), as {prefix}retention_loss and {prefix}probe_accuracy."""
+    from revffn.data.formats import load_examples
+    from revffn.training.evaluate import evaluate, retention_loss
+
+    out = {f"{prefix}retention_loss": retention_loss(model, tok, job.get("retention_data") or RETENTION_SET,
+                                                     limit=job.get("retention_limit"))}
+    if job.get("probes"):
+        probes = load_examples(job["probes"], "probes")[: job.get("probe_limit")]
+        out[f"{prefix}probe_accuracy"] = evaluate(model, tok, probes, 128, 32, 24, match="contains")["exact_match"]
+    return out
+
+
 def losses_before_training(job: dict, method) -> dict:
-    """Retention loss of the base (`measure_base`) and of `method`'s prepared model at init (`gap_init`)."""
+    """Retention loss (and probe accuracy) of the base (`measure_base`) and of `method`'s prepared model at
+    init (`gap_init`: converted at prepare, or the study's converted directory `model`)."""
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.causal_lm import CausalLM
-    from revffn.models.loading import load_hf, resolve_model_ref
-    from revffn.training.evaluate import retention_loss
+    from revffn.models.loading import load, load_hf, resolve_model_ref
 
-    tok = load_tokenizer(resolve_model_ref(BASE))
-    limit = job.get("retention_limit")
+    base = _base(job)
+    tok = load_tokenizer(resolve_model_ref(base))
     out = {}
     if job.get("measure_base"):
-        out["base_retention_loss"] = retention_loss(CausalLM(load_hf(BASE)).eval(), tok, limit=limit)
+        out.update(forgetting(job, CausalLM(load_hf(base)).eval(), tok, "base_"))
     if job.get("gap_init"):
-        out["converted_retention_loss"] = retention_loss(method.prepare(load_hf(BASE)).eval(), tok, limit=limit)
+        model = load(job["model"]) if job.get("model") else method.prepare(load_hf(base))
+        out.update(forgetting(job, model.eval(), tok, "converted_"))
     return out
 
 
@@ -88,7 +110,7 @@ def run_job(job: dict, baseline: int) -> dict:
     from revffn.data.formats import load_examples
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.loading import load
-    from revffn.training.evaluate import evaluate, retention_loss
+    from revffn.training.evaluate import evaluate
     from revffn.training.loop import run
 
     if job.get("threads"):
@@ -110,7 +132,7 @@ def run_job(job: dict, baseline: int) -> dict:
     )
     model = load(summary["final_dir"])
     tok = load_tokenizer(summary["final_dir"])
-    result["retention_loss"] = retention_loss(model, tok, limit=job.get("retention_limit"))
+    result.update(forgetting(job, model, tok))
     for split in ("val", "test") if job.get("eval_val") else ("test",):
         examples = load_examples(f"builtin:{job['task']}_{split}", split)[: job["eval_limit"]]
         ev = evaluate(model, tok, examples, job["max_seq_length"], 32, job["max_new_tokens"], job["eval_limit"])
