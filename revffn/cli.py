@@ -230,13 +230,17 @@ def cmd_convert(args) -> int:
     spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
                        adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
-                       stream_dtype=args.stream_dtype, seed=args.seed, overwrite=args.overwrite,
-                       stream_width=args.stream_width, device=args.device)
+                       heal_eval_steps=args.heal_eval_steps, stream_dtype=args.stream_dtype, seed=args.seed,
+                       overwrite=args.overwrite, stream_width=args.stream_width, device=args.device)
     manifest = run_convert(spec)
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
+    heal = manifest["heal"] or {}
+    reached = "" if "tokens_to_target" not in heal else (
+        f"; base + 0.2 reached after {heal['tokens_to_target']:,} heal tokens" if heal["tokens_to_target"] is not None
+        else f"; base + 0.2 not reached in {heal['tokens']:,} heal tokens")
     print(json.dumps(manifest) if args.json else f"revffn convert: wrote {args.out}"
-          + (f" (loss on {gap['data']}: {figures})" if gap.get("data") else ""))
+          + (f" (loss on {gap['data']}: {figures}{reached})" if gap.get("data") else ""))
     return 0
 
 
@@ -470,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "streams, the paper's; revffn.stream_width)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
+    k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "
+                   "N heal steps: the heal's curve and its tokens-to-target (base + 0.2 nats) in revffn.json")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")
     k.add_argument("--seed", type=_nonnegative, default=0)
     k.add_argument("--device", default="cpu", help="cpu | cuda | auto: where the model is calibrated, healed "

@@ -4,12 +4,16 @@ per stream width, adapter init, calibration text and heal text.
     python scripts/conversion_gap.py --out runs/conversion_gap --docs docs/conversion.md --jobs 2   # ~30 min, 2 cores
     python scripts/conversion_gap.py --out runs/gap-quick --quick                            # smoke: ~2 min
     python scripts/conversion_gap.py --model builtin:smollm2 --out runs/gap-smollm2 --docs docs/conversion.md
+    python scripts/conversion_gap.py --model builtin:smollm2-moe --device cuda --out runs/gap-moe   # a GPU: minutes
+    python scripts/conversion_gap.py --render runs/gap-moe/conversion_smollm2_moe.json --docs docs/conversion.md
 
 `builtin:base` (the default) is measured on its held-out pretraining text (`builtin:retention_test`); a real
 model (`builtin:smollm2`, `builtin:smollm2-moe`) on Python's reference manual (`builtin:pydoc_text`), with
 `self` and the rest of the manual (`builtin:pydoc_calibration`, disjoint from the evaluation text) as
-calibration and heal text, and half- against full-width streams (`--stream-width`). Each model's table sits
-between its own markers in the page.
+calibration and heal text, and half- against full-width streams (`--stream-width`); each converted model's
+knowledge probes (`builtin:smollm2_probes`, containment) and, for a healed row, the heal tokens until the
+held-out loss first reached base + 0.2 nats (`--heal-eval-steps`). Each model's table sits between its own
+markers in the page.
 
 Every calibrated row is one `revffn convert` run in a fresh process (its revffn.json gives the losses, the
 wall times and the process's peak RSS). Text sources: `self` (sampled from the base: no data), general
@@ -50,26 +54,29 @@ def write_sources(out: Path, n_general: int = 3000, seed: int = 0) -> dict[str, 
     return {"self": "self", "general": str(general), "task": "builtin:commas_train", "mix": str(out / "mix.jsonl")}
 
 
-REAL_EVAL, REAL_CALIBRATION = "builtin:pydoc_text", "builtin:pydoc_calibration"
+REAL_EVAL, REAL_CALIBRATION, REAL_PROBES = "builtin:pydoc_text", "builtin:pydoc_calibration", "builtin:smollm2_probes"
 
 
 def plain_rows(model: str = "builtin:base", eval_data: str = "builtin:retention_test",
-               widths: tuple[str, ...] = ("half",)) -> list[dict]:
-    """base, and the uncalibrated inits (no data involved), at each stream width."""
+               widths: tuple[str, ...] = ("half",), device: str = "cpu") -> list[dict]:
+    """base, and the uncalibrated inits (no data involved), at each stream width, measured on `device`."""
     import torch
 
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.causal_lm import CausalLM
     from revffn.models.convert import convert
     from revffn.models.loading import load_hf, resolve_model_ref
+    from revffn.training.conversion import convert_device
     from revffn.training.evaluate import retention_loss
 
     tok = load_tokenizer(resolve_model_ref(model))
-    rows = [{"name": "base (unconverted)", "loss": retention_loss(CausalLM(load_hf(model)).eval(), tok, eval_data)}]
+    dev = convert_device(device)
+    rows = [{"name": "base (unconverted)",
+             "loss": retention_loss(CausalLM(load_hf(model)).to(dev).eval(), tok, eval_data)}]
     for width in widths:
         for init in ("coordinate", "zero") if width == "half" else ("coordinate",):
             torch.manual_seed(0)
-            converted = convert(load_hf(model), adapter_init=init, stream_width=width).eval()
+            converted = convert(load_hf(model).to(dev), adapter_init=init, stream_width=width).eval()
             label = f"`{init}`" + ("" if widths == ("half",) else f" ({width} width)")
             rows.append({"name": label, "loss": retention_loss(converted, tok, eval_data)})
     return rows
@@ -77,59 +84,87 @@ def plain_rows(model: str = "builtin:base", eval_data: str = "builtin:retention_
 
 def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, heal: str | None, steps: int,
                 threads: int, skip: bool = True, model: str = "builtin:base", width: str = "half",
-                eval_data: str | None = None) -> dict:
-    """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json."""
+                eval_data: str | None = None, device: str = "cpu", heal_lr: str = "auto", heal_eval_steps: int = 0,
+                probes: str | None = None) -> dict:
+    """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json
+    (and, with `probes`, the converted model's probe accuracy from `revffn eval --match contains`)."""
     target = out / "models" / "".join(c if c.isalnum() else "_" for c in name)
     cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite",
            "--calibration-data", src[calibration], "--calibration-tokens", str(tokens), "--stream-width", width]
     if eval_data:
         cmd += ["--eval-data", eval_data]
     if heal:
-        cmd += ["--heal-steps", str(steps), "--heal-data", src[heal]]
+        cmd += ["--heal-steps", str(steps), "--heal-data", src[heal], "--heal-lr", heal_lr]
+        if heal_eval_steps and eval_data:
+            cmd += ["--heal-eval-steps", str(heal_eval_steps)]
+    if device != "cpu":
+        cmd += ["--device", device]
     if not skip:
         cmd += ["--no-adapter-skip"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     done = target / "revffn.json"
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
-            "heal_data": src[heal] if heal else "self", "adapter_skip": skip, "stream_width": width}
+            "heal_data": src[heal] if heal else "self", "adapter_skip": skip, "stream_width": width,
+            "heal_lr": (None if heal_lr == "auto" else float(heal_lr)) if heal else None}
     if not (done.is_file() and all(json.loads(done.read_text())["convert"].get(k) == v for k, v in want.items())):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
         if proc.returncode != 0:
             return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
     m = json.loads(done.read_text())
     gap, cal, hl = m["conversion_gap"], m["calibration"], m["heal"]
-    return {"name": name, "status": "ok", "adapter_skip": skip, "stream_width": width, "calibration_data": calibration,
-            "calibration_tokens": cal["tokens"],
-            "heal_data": heal, "heal_steps": steps if heal else 0,
-            "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
-            "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
-            "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
-            "kept_bytes": cal["kept_bytes"], "worst_residual": max(cal["residuals"].values()),
-            "wall_s": m["wall_s"], "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+    row = {"name": name, "status": "ok", "adapter_skip": skip, "stream_width": width, "calibration_data": calibration,
+           "calibration_tokens": cal["tokens"], "heal_data": heal, "heal_steps": steps if heal else 0,
+           "heal_lr": hl["lr"] if hl else None, "tokens_to_target": hl.get("tokens_to_target") if hl else None,
+           "heal_curve": hl.get("curve") if hl else None,
+           "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
+           "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
+           "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
+           "kept_bytes": cal["kept_bytes"], "worst_residual": max(cal["residuals"].values()),
+           "wall_s": m["wall_s"], "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+    if probes:
+        row["probes"] = probe_accuracy(str(target), probes, env)
+    return row
+
+
+def probe_accuracy(model: str, probes: str, env: dict | None = None) -> float | None:
+    """`revffn eval MODEL --data PROBES --match contains` in a fresh process: the fraction answered (None: failed)."""
+    proc = subprocess.run([sys.executable, "-m", "revffn", "eval", model, "--data", probes, "--match", "contains",
+                           "--max-new-tokens", "24", "--json"], env=env, capture_output=True, text=True)
+    return json.loads(proc.stdout)["exact_match"] if proc.returncode == 0 else None
 
 
 def render(data: dict) -> str:
     """docs/conversion.md's table from conversion.json."""
     base = data["rows"][0]["loss"]
-    lines = ["| conversion | calibration text | heal | loss | Δ vs base | calibration s | heal s | peak RSS |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    extra = any("probes" in r for r in data["rows"])  # a real model's table: probes and tokens-to-target too
+    lines = ["| conversion | calibration text | heal | loss | Δ vs base | calibration s | heal s | peak RSS |"
+             + (" probes | heal tokens to base + 0.2 |" if extra else ""),
+             "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if extra else "")]
     for r in data["rows"]:
         if r.get("status", "ok") != "ok":
-            lines.append(f"| {r['name']} | | | {r['status']} | | | | |")
+            lines.append(f"| {r['name']} | | | {r['status']} | | | | |" + (" | |" if extra else ""))
             continue
+        if extra:
+            p = r.get("probes", data.get("base_probes") if r is data["rows"][0] else None)
+            reached = r.get("tokens_to_target")
+            tail = (f" {'–' if p is None else f'{100 * p:.0f} %'} | "
+                    + (f"{reached:,} |" if reached is not None else "not reached |" if r.get("heal_curve") else "– |"))
+        else:
+            tail = ""
         cal = f"{r['calibration_data']} ({r['calibration_tokens']} tok)" if "calibration_data" in r else "–"
-        heal = f"{r['heal_data']}, {r['heal_steps']} steps" if r.get("heal_data") else "–"
+        heal = (f"{r['heal_data']}, {r['heal_steps']} steps" + (f", lr {r['heal_lr']:g}" if r.get("heal_lr") else "")
+                if r.get("heal_data") else "–")
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" if "peak_rss_bytes" in r else "–"
         cs = f"{r['calibration_s']:.0f}" if "calibration_s" in r else "–"
         hs = f"{r['heal_s']:.0f}" if r.get("heal_s") is not None else "–"
         lines.append(f"| {r['name']} | {cal} | {heal} | **{r['loss']:.3f}** | {r['loss'] - base:+.3f} | {cs} | {hs} "
-                     f"| {rss} |")
+                     f"| {rss} |" + tail)
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="work directory (sources, converted models, conversion.json)")
+    parser.add_argument("--out", default=None, help="work directory (sources, converted models, conversion.json)")
     parser.add_argument("--docs", default=None, help="rewrite the table between the markers of this page")
     parser.add_argument("--heal-steps", type=int, default=400, help="heal steps per heal row (default %(default)s)")
     parser.add_argument("--long-steps", type=int, default=800, help="steps of the longer `self` heal row")
@@ -137,11 +172,22 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
     parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
-                        "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + heal); "
-                        "default all")
+                        "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
+                        "at 1e-4; 5: 1 + a heal on self at auto, the defaults); default all")
+    parser.add_argument("--device", default="cpu", help="where each row converts: cpu, cuda or auto")
+    parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
+                        "(e.g. one a GPU wrote) into --docs")
     parser.add_argument("--model", default="builtin:base", help="builtin:base (default) or a real model: "
                         "builtin:smollm2, builtin:smollm2-moe")
     args = parser.parse_args()
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        model = data.get("model", "builtin:base").removeprefix("builtin:")
+        real = "model" in data
+        marker, suffix = (f"conversion-gap:{model}", "_" + model.replace("-", "_")) if real else ("conversion-gap", "")
+        return publish(data, None, args.docs, marker, suffix)
+    if not args.out:
+        parser.error("--out is required (but with --render)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model != "builtin:base":
@@ -178,32 +224,38 @@ def real_model(args, out: Path) -> None:
     calibration tokens, and the heal on the full-width default."""
     src = {"self": "self", "pydoc": REAL_CALIBRATION}
     tokens, steps = (1024, 4) if args.quick else (TOKENS, args.heal_steps)
-    plan = [("half", "self", tokens, None, 0), ("full", "self", tokens, None, 0), ("full", "pydoc", tokens, None, 0),
-            ("full", "pydoc", 2 * tokens, None, 0), ("full", "pydoc", tokens, "pydoc", steps)]
+    # (width, calibration text, tokens, heal text, heal steps, heal lr): the heal on the manual at 1e-4 is the best
+    # of docs/conversion.md's CPU schedules; the default heal (`self`, --heal-lr auto) is the last row
+    plan = [("half", "self", tokens, None, 0, "auto"), ("full", "self", tokens, None, 0, "auto"),
+            ("full", "pydoc", tokens, None, 0, "auto"), ("full", "pydoc", 2 * tokens, None, 0, "auto"),
+            ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "self", tokens, "self", steps, "auto")]
     if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
         plan = [plan[int(i)] for i in args.rows.split(",")]
 
     def run(item):
-        width, cal, n, heal, n_steps = item
+        width, cal, n, heal, n_steps, lr = item
         name = f"calibrated ({width} width; {cal} {n // 1024}k" + (f"; heal {heal} x{n_steps}" if heal else "") + ")"
         print(f"{name} ...", file=sys.stderr, flush=True)
-        row = convert_row(name, out, src, cal, n, heal, n_steps, args.threads, True, args.model, width, REAL_EVAL)
+        row = convert_row(name, out, src, cal, n, heal, n_steps, args.threads, True, args.model, width, REAL_EVAL,
+                          args.device, lr, max(1, n_steps // 8), REAL_PROBES)
         print(f"  -> {json.dumps(row)}", file=sys.stderr, flush=True)
         return row
 
-    rows = plain_rows(args.model, REAL_EVAL, ("half", "full"))
+    rows = plain_rows(args.model, REAL_EVAL, ("half", "full"), args.device)
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
         rows += list(pool.map(run, plan))
-    data = {"model": args.model, "rows": rows, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
+    data = {"model": args.model, "rows": rows, "base_probes": probe_accuracy(args.model, REAL_PROBES),
+            "device": args.device, "command": "python scripts/conversion_gap.py " + " ".join(sys.argv[1:]),
             "threads": args.threads, "eval_data": REAL_EVAL, "sources": src}
     publish(data, out, args.docs, f"conversion-gap:{args.model.removeprefix('builtin:')}",
             "_" + args.model.removeprefix("builtin:").replace("-", "_"))
 
 
-def publish(data: dict, out: Path, docs: str | None, marker: str, suffix: str) -> None:
-    """OUT/conversion{suffix}.json, the table on stdout and, with `docs`, between the page's `marker` lines (the
-    JSON beside the page)."""
-    (out / f"conversion{suffix}.json").write_text(json.dumps(data, indent=1) + "\n")
+def publish(data: dict, out: Path | None, docs: str | None, marker: str, suffix: str) -> None:
+    """OUT/conversion{suffix}.json (`out` None: rendering a JSON written before), the table on stdout and, with
+    `docs`, between the page's `marker` lines (the JSON beside the page)."""
+    if out is not None:
+        (out / f"conversion{suffix}.json").write_text(json.dumps(data, indent=1) + "\n")
     table = render(data)
     print(table)
     if docs:

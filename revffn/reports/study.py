@@ -322,7 +322,7 @@ def convert_once(plan: StudyPlan, out: Path, log=print) -> dict | None:
         return None
     dest = out / "converted"
     cmd = ["revffn", "convert", plan.base.model, "--out", str(dest), *plan.base.convert,
-           "--eval-data", plan.base.retention_data, "--json"]
+           "--eval-data", plan.base.retention_data, "--device", "auto", "--json"]
     if (dest / "revffn.json").is_file():
         log(f"[study] reusing the conversion in {dest}")
         return {"command": " ".join(cmd), "reused": True, "manifest": json.loads((dest / "revffn.json").read_text())}

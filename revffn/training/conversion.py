@@ -59,6 +59,7 @@ class ConvertSpec:
     adapter_skip: bool = True
     stream_width: str = "full"
     eval_data: str | None = None
+    heal_eval_steps: int = 0  # measure the loss on eval_data every N heal steps (0: only before and after)
     stream_dtype: str = "float32"
     seed: int = 0
     overwrite: bool = False
@@ -97,6 +98,9 @@ def validate(spec: ConvertSpec):
         file_rows(spec.heal_data, tokenizer, None, "--heal-data")
     if spec.eval_data:
         load_examples(spec.eval_data, "--eval-data")
+    if spec.heal_eval_steps and not (spec.heal_steps and eval_set(spec)):
+        raise UserError(f"--heal-eval-steps {spec.heal_eval_steps}: there is no heal or no eval set to measure. "
+                        "Fix: give --heal-steps and --eval-data too, or drop --heal-eval-steps.")
     check_source(spec.calibration_data, "--calibration-data")
     if spec.heal_steps:
         check_source(spec.heal_data, "--heal-data")
@@ -128,7 +132,8 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
         gap["calibrated"] = retention_loss(model, tokenizer, data)
     heal = None
     if spec.heal_steps:
-        heal = heal_converted(model, spec, log)
+        measure = (lambda: retention_loss(model, tokenizer, data)) if spec.heal_eval_steps else None
+        heal = heal_converted(model, spec, log, measure, gap.get("base"))
         if data:
             gap["healed"] = retention_loss(model, tokenizer, data)
     if data:
@@ -205,9 +210,17 @@ def set_peak_lr(run, lr: float) -> None:
     run.cfg = TrainConfig({**run.cfg.values, "learning_rate": lr}, run.cfg.sections, run.cfg.source)
 
 
-def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
+HEAL_TARGET = 0.2
+"""Nats/token above the base that a heal aims at: the heal report's tokens-to-target counts the heal tokens
+until the measured loss first reaches base + HEAL_TARGET."""
+
+
+def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_loss: float | None = None) -> dict:
     """`--heal-steps` steps of the revffn method's stage 1 on the converted `model`, through the training loop's
     step (`build_run` / `train_step`), at `--heal-lr` or, with auto, at `probe_heal_lr`'s; returns the heal report.
+    `measure` (with `--heal-eval-steps`): the held-out loss, taken every that many steps into the report's
+    `curve` ([step, heal tokens, loss]) and `tokens_to_target` (with `base_loss`: the heal tokens until the loss
+    first reaches base + HEAL_TARGET; None: not reached).
     A heal whose KL turns non-finite, or ends at more than 1.5x where it started, is an error naming --heal-lr
     (nothing is written)."""
     device = next(model.parameters()).device
@@ -221,7 +234,7 @@ def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
     lr = run.cfg.learning_rate
     log(f"healing the adapters: {spec.heal_steps} steps x {spec.heal_batch_size} x 128 tokens of {spec.heal_data}, "
         f"lr {lr:g}")
-    t0, kls, tokens = time.perf_counter(), [], 0
+    t0, kls, tokens, curve = time.perf_counter(), [], 0, []
     every = max(1, min(50, spec.heal_steps // 10))  # a log line per tenth of the heal, at most every 50 steps
     with progress_bar("heal", "step") as progress:
         for step in range(spec.heal_steps):
@@ -235,6 +248,9 @@ def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
             progress(step + 1, spec.heal_steps)
             if (step + 1) % every == 0:
                 log(f"heal step {step + 1}/{spec.heal_steps}: KL {sum(kls[-every:]) / every:.4f}")
+            if measure is not None and ((step + 1) % spec.heal_eval_steps == 0 or step + 1 == spec.heal_steps):
+                curve.append([step + 1, tokens, measure()])
+                log(f"heal step {step + 1}: held-out loss {curve[-1][2]:.4f} after {tokens:,} heal tokens")
     model.eval()
     model.reversible = run.method.reversible  # (the plain twin ran a heal with --heal-hidden-coef)
     tail = kls[-10:]
@@ -243,6 +259,10 @@ def heal_converted(model, spec: ConvertSpec, log=log_line) -> dict:
               "kl_last": sum(tail) / len(tail), "kl": [round(k, 5) for k in kls], "tokens": tokens,
               "wall_s": round(time.perf_counter() - t0, 2), "data": spec.heal_data,
               "batch_size": spec.heal_batch_size, "peak_rss_bytes": peak_rss_bytes()}
+    if measure is not None:
+        target = None if base_loss is None else base_loss + HEAL_TARGET
+        report.update(curve=curve, target=target, tokens_to_target=next(
+            (t for _, t, loss in curve if target is not None and loss <= target), None))
     log(f"healed in {report['wall_s']:.1f} s: KL {report['kl_first']:.4f} -> {report['kl_last']:.4f} (max "
         f"{report['kl_max']:.4f})")
     k = 5  # a heal of 10 steps or more is judged by its last 5 steps' mean (one batch's KL varies by ~1.5x)

@@ -216,9 +216,9 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
     plan = plan_for(False, "builtin:smollm2")
     first = study.convert_once(plan, tmp_path, log=lambda *_: None)
     again = study.convert_once(plan, tmp_path, log=lambda *_: None)
-    assert len(calls) == 1 and calls[0][-7:] == ["--calibration-data", "builtin:pydoc_calibration",
+    assert len(calls) == 1 and calls[0][-9:] == ["--calibration-data", "builtin:pydoc_calibration",
                                                  "--calibration-tokens", "16384", "--eval-data", "builtin:pydoc_text",
-                                                 "--json"]
+                                                 "--device", "auto", "--json"]
     assert calls[0][2:6] == ["revffn", "convert", "builtin:smollm2", "--out"]
     assert first["manifest"] == {"format": "revffn"} and again["reused"]
     assert study.convert_once(replace(plan, methods=("full", "lora")), tmp_path / "none") is None

@@ -2,6 +2,8 @@
 is exactly the rendering of the committed docs/conversion.json."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import conversion_gap
@@ -28,3 +30,33 @@ def test_the_committed_table_is_the_rendering_of_the_committed_json():
     page = (ROOT / "docs" / "conversion.md").read_text()
     table = page.split("<!-- conversion-gap:start -->\n", 1)[1].split("<!-- conversion-gap:end -->", 1)[0]
     assert table == conversion_gap.render(json.loads((ROOT / "docs" / "conversion.json").read_text()))
+
+
+def test_a_real_models_table_adds_probes_and_tokens_to_target(tmp_path):
+    """A real model's rows carry the probes answered and, for a heal measured along the way, the heal tokens until
+    base + 0.2 (or "not reached"); `--render` rewrites the page's table from a JSON written elsewhere (a GPU)."""
+    row = {"status": "ok", "calibration_data": "pydoc", "calibration_tokens": 32768, "heal_data": "pydoc",
+           "heal_steps": 400, "heal_lr": 1e-4, "loss": 3.1, "calibration_s": 20.0, "heal_s": 60.0,
+           "peak_rss_bytes": 2**30, "probes": 0.5, "heal_curve": [[50, 51200, 3.5]]}
+    data = {"model": "builtin:smollm2-moe", "base_probes": 1.0, "rows": [
+        {"name": "base (unconverted)", "loss": 3.0},
+        {**row, "name": "reached", "tokens_to_target": 51200},
+        {**row, "name": "short", "tokens_to_target": None},
+        {**row, "name": "calibrated", "heal_data": None, "heal_s": None, "heal_curve": None, "tokens_to_target": None}]}
+    lines = conversion_gap.render(data).splitlines()
+    assert lines[0].endswith("| peak RSS | probes | heal tokens to base + 0.2 |")
+    assert lines[2] == "| base (unconverted) | – | – | **3.000** | +0.000 | – | – | – | 100 % | – |"
+    assert lines[3] == ("| reached | pydoc (32768 tok) | pydoc, 400 steps, lr 0.0001 | **3.100** | +0.100 | 20 | 60 "
+                        "| 1024 MiB | 50 % | 51,200 |")
+    assert lines[4].endswith("| 50 % | not reached |") and lines[5].endswith("| – | 1024 MiB | 50 % | – |")
+    page = tmp_path / "conversion.md"
+    marker = "conversion-gap:smollm2-moe"
+    page.write_text(f"# page\n\n<!-- {marker}:start -->\nold\n<!-- {marker}:end -->\nafter\n")
+    src = tmp_path / "gpu" / "conversion_smollm2_moe.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(data))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "conversion_gap.py"), "--render", str(src), "--docs",
+                    str(page)], check=True, capture_output=True)
+    text = page.read_text()
+    assert conversion_gap.render(data) in text and "old" not in text and text.endswith("after\n")
+    assert json.loads((tmp_path / "conversion_smollm2_moe.json").read_text()) == data  # the JSON beside the page

@@ -123,6 +123,14 @@ def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
     assert "--heal-hidden-coef: must be a number >= 0" in capsys.readouterr().err and not out.exists()
 
 
+def test_heal_eval_steps_without_a_heal_or_an_eval_set_exits_2(tmp_path, capsys):
+    for extra in ([], ["--heal-steps", "2"]):  # builtin:base has an eval set by default: tiny-qwen2-moe has none
+        assert main(["convert", "tiny-qwen2-moe", "--out", str(tmp_path / "rev"), "--heal-eval-steps", "5",
+                     *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--heal-eval-steps 5" in err and "Fix:" in err and not list(tmp_path.iterdir())
+
+
 def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--stream-width", "third"]) == 2
@@ -155,12 +163,18 @@ def test_heal_lowers_retention_loss():
     calibrate(model, row_batches(calibration_rows("self", tok, model, 2048, "revffn.calibration_data")))
     before = retention_loss(model, tok, limit=16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
-    spec = ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4)
-    report = heal_converted(model, spec, log=print)
+    spec = ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4, heal_eval_steps=5)
+    base = before - 0.25  # a base the heal reaches within 0.2 only at the end: tokens-to-target is counted
+    report = heal_converted(model, spec, print, lambda: retention_loss(model, tok, limit=16), base)
     after = retention_loss(model, tok, limit=16)
     print(before, after, report)
     assert after < before - 0.03  # measured: 2.825 -> 2.761
     assert report["kl_last"] < report["kl_first"] and len(report["kl"]) == 12
+    # the held-out loss every 5 steps and at the end, after that many heal tokens
+    assert [c[0] for c in report["curve"]] == [5, 10, 12] and report["curve"][-1][1:] == [report["tokens"], after]
+    assert report["curve"][0][1] < report["curve"][1][1] < report["tokens"]
+    reached = [t for _, t, loss in report["curve"] if loss <= base + 0.2]
+    assert report["target"] == base + 0.2 and report["tokens_to_target"] == (reached[0] if reached else None)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)  # backbone untouched
 
 
