@@ -431,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print exactly one JSON object")
     a.set_defaults(fn=cmd_archs)
 
-    q = sub.add_parser("study", help="quality study: every method fine-tunes the shipped base on the built-in tasks")
+    q = sub.add_parser("study", help="quality study: every method fine-tunes a pretrained base (--base) on built-in "
+                       "tasks")
     q.add_argument("--out", required=True, help="output directory (study.json, study.md, plots, runs/)")
     q.add_argument("--base", default=None, help="the pretrained model to fine-tune (default builtin:base; a real "
                    "model, e.g. builtin:smollm2 or builtin:smollm2-moe, gets the real-base plan: full, lora and "
@@ -520,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.add_argument("--limit", type=_nonnegative, default=None, help="score at most N examples by exact match")
     e.add_argument("--loglikelihoods", action="store_true", help="also report each example's summed log-prob of "
-                   "its response given the prompt, as lm-eval scores it (README: Outputs of a run)")
+                   "its response given the prompt, as lm-eval scores it (docs/outputs.md)")
     e.add_argument("--match", choices=("exact", "contains"), default="exact",
                    help="exact: the whitespace-collapsed generation equals the reference (or its `Answer:` line "
                    "does); contains: it contains the reference, case-insensitive (default: %(default)s)")

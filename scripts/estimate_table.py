@@ -1,14 +1,14 @@
-"""The README's per-GPU memory table ("Per-GPU memory (revffn estimate)"), from the analytic estimate.
+"""docs/memory.md's per-GPU memory table ("Per-GPU memory (revffn estimate)"), from the analytic estimate.
 
     python scripts/estimate_table.py            # print the table
-    python scripts/estimate_table.py --readme   # and write it into README.md, under its heading
+    python scripts/estimate_table.py --readme   # and write it into docs/memory.md, under its heading
 
 Every config-only preset (`revffn/models/geometries/`) x revffn and full (each with AdamW and Adafactor,
 the optimizers FSDP training shards) and LoRA (AdamW only: its optimizer states are a small part of its
 total) at the `revffn estimate` defaults (bf16, batch 1 x 2048 per GPU): GiB per GPU on one GPU and on 8
 with FSDP, and the fewest 80GB GPUs FSDP fits on (`revffn.memory.estimate.gpus_needed`; -: not even
 `MAX_GPUS`).
-`tests/scripts/test_estimate_table.py` checks that the README holds exactly this output.
+`tests/scripts/test_estimate_table.py` checks that docs/memory.md holds exactly this output.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from revffn.methods import method_class
 from revffn.models.loading import config_presets, hf_config
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "### Per-GPU memory (revffn estimate)"
+HEADING = "## Per-GPU memory (revffn estimate)"
 VARIANTS = [("revffn", "adamw"), ("revffn", "adafactor"), ("full", "adamw"), ("full", "adafactor"),
             ("lora", "adamw")]
 BATCH, SEQ, DTYPE, GPU_MEM, WORLD = 1, 2048, "bfloat16", "80GB", 8
@@ -43,7 +43,7 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+def write_readme(text: str, readme: Path = ROOT / "docs" / "memory.md") -> None:
     """Replace the table under `HEADING` (its first run of `|` lines) with `text`."""
     lines = readme.read_text().splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.strip() == HEADING)

@@ -60,7 +60,7 @@ def measure(name: str, model, prompt: list[int], batch: int, args, pad_id: int) 
 
 
 def summary(result: dict) -> str:
-    """The README's sentence for the converted model, from the JSON this script writes."""
+    """docs/outputs.md's sentence for the converted model, from the JSON this script writes."""
     info = result["run_info"]
     rows = [r for r in result["results"] if r["model"] == "revffn (converted)"]
     parts = [f"batch {r['batch']}: {r['no_cache_s']:.2f} s without the cache, {r['cache_s']:.2f} s with it "

@@ -22,8 +22,9 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.ya
 
 # Names follow LLaMA-Factory / TRL / HF TrainingArguments where one exists.
 SCHEMA: dict[str, Key] = {
-    "model": Key(str, None, "builtin:base, preset name (tiny-qwen2-moe, ...) or local HF model directory",
-                 required=True, path=True),
+    "model": Key(str, None, "builtin:base, builtin:smollm2[-moe], a tiny preset (tiny-qwen2-moe, ...), a local HF "
+                 "model directory, a GGUF file, or a Hub ID ORG/NAME[@REVISION] (HF cache; downloaded unless "
+                 "HF_HUB_OFFLINE=1)", required=True, path=True),
     "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
     "method": Key(str, "revffn", "fine-tuning method (see the README's Methods table)"),
     "data": Key(str, None, "training data: a JSON/JSONL/parquet/arrow/csv file, a save_to_disk directory, "
@@ -88,7 +89,8 @@ SCHEMA: dict[str, Key] = {
                                "(a dead or hung rank)", min=1),
     "router_aux_loss_coef": Key((float, type(None)), None, "router load-balancing loss weight (null: model's)",
                                 min=0),
-    "tokenizer": Key((str, type(None)), None, "tokenizer directory (null: the model's, or the shipped one)", path=True),
+    "tokenizer": Key((str, type(None)), None, "tokenizer directory or Hub ID (null: the model's, or the shipped one)",
+                     path=True),
     "eval_max_new_tokens": Key(int, 48, "greedy tokens generated per example for exact-match eval", min=1),
     "eval_generate_limit": Key(int, 64, "eval examples scored by exact match (0: none)", min=0),
 }
@@ -105,7 +107,7 @@ RESUME_MAY_CHANGE = frozenset({
 steps to come: a resume that changes one is refused (`setup.check_resume_config`). The batch is
 compared by the keys that set it: `global_batch_size` when set (the per-device split and the derived
 accumulation may then change with the number of processes), else per_device_train_batch_size and
-gradient_accumulation_steps; the number of processes itself may change (README, Multi-GPU)."""
+gradient_accumulation_steps; the number of processes itself may change (docs/multi_gpu.md)."""
 
 
 @dataclass

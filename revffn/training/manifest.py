@@ -8,7 +8,7 @@
 
 The manifest is written last, by the process that completes the checkpoint (rank 0 after every
 shard is written), before the checkpoint is renamed into place. `verify_checkpoint` rehashes every
-file: it reads the whole checkpoint once (README: the cost).
+file: it reads the whole checkpoint once (docs/operations.md: the cost).
 """
 
 from __future__ import annotations

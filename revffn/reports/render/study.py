@@ -93,7 +93,7 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         f"{plan['warmup_steps']} warm-up steps, fp32. LR chosen per method and task from the declared grid by "
         f"val exact match (seed {plan['seeds'][0]}); test numbers are mean [min–max] over seeds {seeds}. "
         + "".join(f"{m} options: {o}. " for m, o in _method_options(data).items())
-        + "What the numbers say, and what was tried: README, \"Quality study\".",
+        + "What the numbers say, and what was tried: docs/results.md.",
         "",
         "| task | method | LR (grid) | test exact match % | retention loss | Δ retention | "
         + ("probes % | " if probes else "") + "peak mem MiB | tokens/s |",
