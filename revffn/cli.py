@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -532,7 +533,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _KnownNoise(logging.Filter):
+    """Third-party log lines that do not apply to a revffn command, dropped where they are logged: torchao's
+    CUDA-only kernels (`torchao/_C*.so`) failing to load under a CPU build of torch, and torch's deprecation
+    note on `register_constant` for the Enum types torchao registers at import (transformers imports torchao
+    whenever it is installed)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("Failed to load") and "torchao" in msg and "/_C" in msg:
+            import torch
+
+            return torch.version.cuda is not None  # a CUDA build: the kernels could apply, so keep the line
+        return "is an Enum subclass and is now natively supported by torch.compile" not in msg
+
+
+def quiet_known_noise() -> None:
+    """Install `_KnownNoise` on the loggers that emit it (idempotent)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+            logger.addFilter(_KnownNoise())
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     if "TRANSFORMERS_VERBOSITY" not in os.environ:  # transformers is imported already (revffn/__init__): set it
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # for child processes too
         from transformers.utils import logging as hf_logging
