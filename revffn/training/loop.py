@@ -86,9 +86,10 @@ from revffn.training.step import StepResult, build_run, train_step
 from revffn.training.trackers import Trackers
 from revffn.training.watch import RunWatch, append_event, run_in_child
 
-Fault = Callable[[str, int], None]
-"""Test hook `fault(point, step)`: called after each optimizer step ("step") and in the middle of
-each checkpoint write ("save"); it may raise or kill the process (tests/training/fault_run.py)."""
+Fault = Callable[[str, int, int], None]
+"""Test hook `fault(point, step, restart)`: called after each optimizer step ("step"), in the middle of each
+checkpoint write ("save") and of the final/ swap ("final"), with the number of this `max_restarts` attempt (0:
+the first); it may raise or kill the process (tests/training/fault_run.py)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -109,8 +110,10 @@ class Recipe:
     """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the trackers,
     and stops the watchdog."""
 
-    def __init__(self, cfg, plan, fault: Fault | None = None):
-        self.cfg, self.plan, self.fault = cfg, plan, fault
+    def __init__(self, cfg, plan, fault: Fault | None = None, restarts: int = 0):
+        self.cfg, self.plan = cfg, plan
+        # the hook at (point, step), told which attempt this is
+        self.fault = None if fault is None else (lambda point, step: fault(point, step, restarts))
         self.step, self.stage = 0, None
         self.logged: tuple[int, float] | None = None  # the last metrics line's (step, loss): the heartbeat's
         self.main = is_main_process()  # rank 0 (or the only process): writes the run's files
@@ -313,7 +316,7 @@ def agree_on_lock(held: bool, error: str = "") -> None:
 
 def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
     summary: dict = {"status": "running", "restarts": restarts}
-    recipe = Recipe(cfg, plan, fault)
+    recipe = Recipe(cfg, plan, fault, restarts)
     try:
         recipe.setup()
         summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(plan.device))
@@ -419,7 +422,7 @@ def _run(cfg, fault: Fault | None) -> dict:
         while True:
             try:
                 if cfg.max_restarts:  # a stalled attempt ends its process (watch.Watchdog): supervise it from here
-                    return run_in_child(train, cfg, restarts, fault, error, held, restart=restarts,
+                    return run_in_child(train, cfg, restarts, fault, error, held,
                                         errors=(UserError, DiskFull, TrainingDiverged, CollectiveTimeout))
                 return train(cfg, restarts, fault, error)
             except (UserError, TrainingDiverged, KeyboardInterrupt):

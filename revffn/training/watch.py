@@ -40,7 +40,6 @@ import torch
 from revffn.memory.measure import memory_in_use_bytes, peak_memory_bytes
 
 STALL_EXIT = 3  # the exit code of a process the watchdog ended
-RESTART_ENV = "REVFFN_RESTART_COUNT"  # in an attempt `max_restarts` started: its number (as torchrun's count)
 
 
 class Stalled(RuntimeError):
@@ -183,11 +182,10 @@ class RunWatch:
                   "kept to tensors (hooks, lists of outputs); events.jsonl has the figures.", file=sys.stderr)
 
 
-def run_in_child(fn, *args, restart: int = 0, errors: tuple[type[BaseException], ...] = ()):
+def run_in_child(fn, *args, errors: tuple[type[BaseException], ...] = ()):
     """`fn(*args)` in a forked child process: its result, or its exception raised here.
 
-    The child's number in the run (`restart`) is set in its environment as `REVFFN_RESTART_COUNT`,
-    and it dies with this process (Linux: PR_SET_PDEATHSIG). The supervisor itself touches no
+    The child dies with this process (Linux: PR_SET_PDEATHSIG). The supervisor itself touches no
     device: each attempt initialises CUDA in its own process. The outcome comes back as JSON, not
     pickle (no load here runs code): the result a JSON value, an exception its type name, message
     and traceback.
@@ -206,7 +204,6 @@ def run_in_child(fn, *args, restart: int = 0, errors: tuple[type[BaseException],
         os.close(read)
         code = 1  # the outcome could not be sent
         try:
-            os.environ[RESTART_ENV] = str(restart)
             _die_with(parent)
             with os.fdopen(write, "w") as out:
                 out.write(_outcome(fn, args))

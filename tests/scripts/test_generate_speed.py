@@ -1,4 +1,5 @@
-"""scripts/generate_speed.py: the cached and recomputed decodes agree, and docs/outputs.md quotes the measured figures."""
+"""scripts/generate_speed.py: the cached and recomputed decodes agree, and docs/outputs.md quotes the measured
+figures."""
 
 import json
 from pathlib import Path

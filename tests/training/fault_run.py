@@ -3,15 +3,14 @@
     python tests/training/fault_run.py 'kill@step:7' CONFIG.yaml key=value ...
     python tests/training/fault_run.py 'kill@save:9,raise@step:5' CONFIG.yaml ...
 
-SPEC is a comma-separated list of ACTION@POINT:STEP[:RANK]. POINT is `step` (after that optimizer
-step), `save` (in the middle of writing that step's checkpoint) or `final` (after step N of the final/ swap,
-`models.cache.staged_dir`). ACTION `kill` sends SIGKILL to this
-process; `raise` raises a RuntimeError once; `hang` sleeps for ten minutes (a hung rank, a stalled
-step); `leak` makes a forward hook on every module keep its output from then on (debug code holding
-tensors: a memory leak); `fsize` limits every file this process writes from then on to 1 KiB (RLIMIT_FSIZE:
-a full disk, deterministically). A restart of the run does not see a fault again: not in the same process,
-nor in the child process of a `max_restarts` restart (REVFFN_RESTART_COUNT > 0), nor after torchrun
-restarted the job (TORCHELASTIC_RESTART_COUNT > 0). Under torchrun, RANK limits a fault to that rank.
+SPEC is a comma-separated list of ACTION@POINT:STEP[:RANK]. POINT is `step` (after that optimizer step),
+`save` (in the middle of writing that step's checkpoint) or `final` (after step N of the final/ swap,
+`models.cache.staged_dir`). ACTION `kill` sends SIGKILL to this process; `raise` raises a RuntimeError once;
+`hang` sleeps for ten minutes (a hung rank, a stalled step); `leak` makes a forward hook on every module keep
+its output from then on (debug code holding tensors: a memory leak); `fsize` limits every file this process
+writes from then on to 1 KiB (RLIMIT_FSIZE: a full disk, deterministically). A restart of the run does not see
+a fault again: not in the same process, nor in a later attempt (the loop tells the hook its attempt: a
+`max_restarts` restart, or torchrun's). Under torchrun, RANK limits a fault to that rank.
 
     torchrun --nproc-per-node 2 tests/training/fault_run.py 'kill@step:3:1' CONFIG.yaml ...
 """
@@ -30,7 +29,7 @@ LEAKING = {"on": False}
 
 
 def parse_fault(spec: str):
-    """The `fault(point, step)` callback of SPEC (see the module docstring)."""
+    """The `fault(point, step, restart)` callback of SPEC (see the module docstring)."""
     items = []
     for item in filter(None, spec.split(",")):
         action, where = item.split("@")
@@ -43,9 +42,9 @@ def parse_fault(spec: str):
         items.append((item, action, point, int(at)))
     fired: set[str] = set()
 
-    def fault(point: str, step: int) -> None:
-        if any(int(os.environ.get(v, "0")) for v in ("TORCHELASTIC_RESTART_COUNT", "REVFFN_RESTART_COUNT")):
-            return  # read at each call: a max_restarts attempt is a child forked after parse_fault
+    def fault(point: str, step: int, restart: int) -> None:
+        if restart:  # a later attempt (max_restarts, or torchrun's): the fault happened already
+            return
         for item, action, name, at in items:
             if name == point and at == step and item not in fired:
                 if action == "leak":

@@ -276,7 +276,7 @@ def test_fsdp_refuses_to_resume_a_whole_model_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "run"
     with pytest.raises(RuntimeError):  # a one-process run with step-2 saved, stopped at step 3
         loop.run(load_config(None, [*TINY, "method=full", "save_steps=2", f"output_dir={out}"]),
-                 fault=lambda point, step: (_ for _ in ()).throw(RuntimeError("stop")) if step == 3 else None)
+                 fault=lambda point, step, restart: (_ for _ in ()).throw(RuntimeError("stop")) if step == 3 else None)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

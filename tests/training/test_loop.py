@@ -41,7 +41,7 @@ def opened(monkeypatch):
     return seen
 
 
-def _raise_at_step_2(point: str, step: int) -> None:
+def _raise_at_step_2(point: str, step: int, restart: int) -> None:
     if (point, step) == ("step", 2):
         raise RuntimeError("injected fault at step 2")
 

@@ -189,7 +189,7 @@ def test_mlflow_run_of_a_failed_training_is_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
-    def fault(point: str, step: int) -> None:
+    def fault(point: str, step: int, restart: int) -> None:
         if (point, step) == ("step", 2):
             raise RuntimeError("injected fault at step 2")
 
