@@ -149,10 +149,11 @@ def cmd_study(args) -> int:
             raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
                             "delete it first.")
         methods = tuple(args.methods.split(",")) if args.methods else None
-        if args.base:
-            from revffn.models.loading import check_model_ref
+        if args.base:  # here, where a Hub ID may still download: the study's processes run offline
+            from revffn.models.loading import check_model_ref, resolve_model_ref
 
             check_model_ref(args.base, "--base")
+            resolve_model_ref(args.base, "--base")
         seeds = tuple(range(args.seeds)) if args.seeds else None
         plan = plan_for(args.quick, args.base, methods=methods, jobs=args.jobs, threads=args.threads,
                         steps=args.steps, seeds=seeds)
@@ -226,7 +227,7 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from revffn.training.conversion import ConvertSpec, run_convert
+    from revffn.training.conversion import HEAL_TARGET, ConvertSpec, run_convert
 
     spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
@@ -237,9 +238,11 @@ def cmd_convert(args) -> int:
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
     heal = manifest["heal"] or {}
-    reached = "" if "tokens_to_target" not in heal else (
-        f"; base + 0.2 reached after {heal['tokens_to_target']:,} heal tokens" if heal["tokens_to_target"] is not None
-        else f"; base + 0.2 not reached in {heal['tokens']:,} heal tokens")
+    reached, target = "", f"base + {HEAL_TARGET}"
+    if "tokens_to_target" in heal:
+        n = heal["tokens_to_target"]
+        reached = f"; {target} reached after {n:,} heal tokens" if n is not None else \
+            f"; {target} not reached in {heal['tokens']:,} heal tokens"
     print(json.dumps(manifest) if args.json else f"revffn convert: wrote {args.out}"
           + (f" (loss on {gap['data']}: {figures}{reached})" if gap.get("data") else ""))
     return 0
@@ -477,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "
-                   "N heal steps: the heal's curve and its tokens-to-target (base + 0.2 nats) in revffn.json")
+                   "N heal steps: the heal's curve and its tokens-to-target (base + 0.2 nats, HEAL_TARGET) in "
+                   "revffn.json")
     k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 (the residual streams)")
     k.add_argument("--seed", type=_nonnegative, default=0)
     k.add_argument("--device", default="cpu", help="cpu | cuda | auto: where the model is calibrated, healed "
@@ -536,8 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
 class _KnownNoise(logging.Filter):
     """Third-party log lines that do not apply to a revffn command, dropped where they are logged: torchao's
     CUDA-only kernels (`torchao/_C*.so`) failing to load under a CPU build of torch, and torch's deprecation
-    note on `register_constant` for the Enum types torchao registers at import (transformers imports torchao
-    whenever it is installed)."""
+    note on `register_constant` for Enum types (torchao registers its Enums at import; transformers imports
+    torchao whenever it is installed). Installed by `main` only: the report workers' output is captured."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()

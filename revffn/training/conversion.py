@@ -134,8 +134,8 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     if spec.heal_steps:
         measure = (lambda: retention_loss(model, tokenizer, data)) if spec.heal_eval_steps else None
         heal = heal_converted(model, spec, log, measure, gap.get("base"))
-        if data:
-            gap["healed"] = retention_loss(model, tokenizer, data)
+        if data:  # (measured along the heal: its last point is the healed model's)
+            gap["healed"] = heal["curve"][-1][2] if heal.get("curve") else retention_loss(model, tokenizer, data)
     if data:
         log("loss on " + data + ": " + ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data"))
     manifest = {"format": "revffn", "method": "revffn", "adapter_init": "calibrated",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from revffn import cli
+from revffn.errors import UserError
 from revffn.reports import study
 from revffn.reports.render.study import goal_check, study_markdown, write_study
 from revffn.reports.study import StudyPlan, plan_for, quick_plan, select_lr, summarize
@@ -209,8 +210,11 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
         calls.append(cmd)
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
-        (out / "revffn.json").write_text('{"format": "revffn"}')
-        return subprocess.CompletedProcess(cmd, 0, '{"format": "revffn"}\n', "")
+        manifest = json.dumps({"format": "revffn", "converted_from": cmd[4], "convert": {
+            "calibration_data": cmd[cmd.index("--calibration-data") + 1],
+            "calibration_tokens": int(cmd[cmd.index("--calibration-tokens") + 1])}})
+        (out / "revffn.json").write_text(manifest)
+        return subprocess.CompletedProcess(cmd, 0, manifest + "\n", "")
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
     plan = plan_for(False, "builtin:smollm2")
@@ -220,8 +224,13 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
                                                  "--calibration-tokens", "16384", "--eval-data", "builtin:pydoc_text",
                                                  "--device", "auto", "--json"]
     assert calls[0][2:6] == ["revffn", "convert", "builtin:smollm2", "--out"]
-    assert first["manifest"] == {"format": "revffn"} and again["reused"]
+    assert first["manifest"]["converted_from"] == "builtin:smollm2" and again["reused"]
     assert study.convert_once(replace(plan, methods=("full", "lora")), tmp_path / "none") is None
+    # a conversion left by a study of another base (or a --quick one): refused, not silently reused
+    for other in (plan_for(False, "builtin:smollm2-moe"), plan_for(True, "builtin:smollm2")):
+        with pytest.raises(UserError, match="holds a conversion this study did not ask for.*Fix: delete"):
+            study.convert_once(other, tmp_path, log=lambda *_: None)
+    assert len(calls) == 1
 
 
 def test_probes_render_and_enter_the_goal_check(tmp_path):

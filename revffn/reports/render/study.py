@@ -74,7 +74,7 @@ def _base(data: dict) -> dict:
 def study_markdown(data: dict, plot_prefix: str = "") -> str:
     plan = data["plan"]
     base = _base(data)
-    probes = data.get("base_probe_accuracy") is not None
+    probes = bool(base.get("probes"))
     seeds = ", ".join(map(str, plan["seeds"]))
     lines = [
         "# RevFFN quality study",

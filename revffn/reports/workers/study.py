@@ -74,6 +74,12 @@ def write_config(job: dict, run_dir: Path):
     return loaded, cls(loaded)
 
 
+def eval_device(job: dict) -> torch.device:
+    """Where the worker measures: the run's device (`device: auto` is CUDA where there is one)."""
+    name = job.get("device", "auto")
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+
+
 def forgetting(job: dict, model, tok, prefix: str = "") -> dict:
     """`model`'s loss on the job's held-out retention text and, when it names probes, its probe accuracy
     (containment), as {prefix}retention_loss and {prefix}probe_accuracy."""
@@ -98,10 +104,11 @@ def losses_before_training(job: dict, method) -> dict:
     base = _base(job)
     tok = load_tokenizer(resolve_model_ref(base))
     out = {}
+    device = eval_device(job)
     if job.get("measure_base"):
-        out.update(forgetting(job, CausalLM(load_hf(base)).eval(), tok, "base_"))
+        out.update(forgetting(job, CausalLM(load_hf(base)).to(device).eval(), tok, "base_"))
     if job.get("gap_init"):
-        model = load(job["model"]) if job.get("model") else method.prepare(load_hf(base))
+        model = load(job["model"], device) if job.get("model") else method.prepare(load_hf(base)).to(device)
         out.update(forgetting(job, model.eval(), tok, "converted_"))
     return out
 
@@ -130,7 +137,7 @@ def run_job(job: dict, baseline: int) -> dict:
             summary["device"]).type == "cpu" else 0),
         stage1_retention_loss=after_stage1[0] if after_stage1 else None,
     )
-    model = load(summary["final_dir"])
+    model = load(summary["final_dir"], summary["device"])
     tok = load_tokenizer(summary["final_dir"])
     result.update(forgetting(job, model, tok))
     for split in ("val", "test") if job.get("eval_val") else ("test",):
