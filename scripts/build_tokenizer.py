@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from corpus import python_doc_corpus
-from tasks import format_task, mini_gsm, quickstart
+from tasks import format_task, mini_gsm, reversal
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -27,7 +27,7 @@ def task_corpus(n: int = 2000, seed: int = 99) -> list[str]:
     word of an answer) are learned as tokens too, not only their space-prefixed forms.
     """
     out = []
-    for ex in mini_gsm(n, seed) + format_task(n, seed) + quickstart(n // 2, seed):
+    for ex in mini_gsm(n, seed) + format_task(n, seed) + reversal(n // 2, seed):
         out.append("\n".join(filter(None, (ex["instruction"], ex["input"], ex["output"]))))
     return out
 

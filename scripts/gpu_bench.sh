@@ -68,7 +68,7 @@ for strategy in ddp fsdp; do
   log "torchrun --nproc-per-node 1 revffn train distributed=$strategy ($DEVICE)"
   rm -rf "$DEST/torchrun_$strategy"
   timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port $((29500 + RANDOM % 1000)) \
-    -m revffn train model=tiny-qwen2-moe data=builtin:quickstart_train eval_data=builtin:quickstart_val max_steps=4 \
+    -m revffn train model=tiny-qwen2-moe data=builtin:reversal_train eval_data=builtin:reversal_val max_steps=4 \
     save_steps=2 max_seq_length=128 per_device_train_batch_size=4 device="$DEVICE" method=revffn \
     revffn.adapter_warmup_steps=2 distributed="$strategy" output_dir="$DEST/torchrun_$strategy" >>"$LOG" 2>&1
   rc=$?

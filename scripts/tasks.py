@@ -100,8 +100,8 @@ def _quick_example(rng: random.Random) -> dict:
     return {"instruction": "Reverse: " + " ".join(words), "input": "", "output": " ".join(reversed(words))}
 
 
-def quickstart(n: int, seed: int = 0) -> list[dict]:
-    """`n` distinct short reversal examples (2-3 words from `QUICK_WORDS`), for the quickstart."""
+def reversal(n: int, seed: int = 0) -> list[dict]:
+    """`n` distinct short word-reversal examples (2-3 words from `QUICK_WORDS`): builtin:reversal_*."""
     return _distinct(n, seed, _quick_example)
 
 
@@ -119,7 +119,7 @@ def commas(n: int, seed: int = 0) -> list[dict]:
 
 # builtin name prefix -> (generator, seed, [(split, size), ...]); splits are consecutive slices of one pool.
 BUILTIN_SPLITS: dict[str, tuple[Callable[[int, int], list[dict]], int, list[tuple[str, int]]]] = {
-    "quickstart": (quickstart, 1234, [("train", 600), ("test", 64), ("val", 64)]),  # val last: train, test as before
+    "reversal": (reversal, 1234, [("train", 600), ("test", 64), ("val", 64)]),  # val last: train, test as before
     "gsm": (mini_gsm, 2345, [("train", 1000), ("val", 100), ("test", 100)]),
     "format": (format_task, 3456, [("train", 1000), ("val", 100), ("test", 100)]),
     "commas": (commas, 4567, [("train", 1000), ("val", 100), ("test", 100)]),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,10 +43,18 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl"))
 
 
+# old names of built-in sets, kept for one release: name -> its new name (a deprecation line each use)
+RENAMED = {f"quickstart_{split}": f"reversal_{split}" for split in ("train", "val", "test")}
+
+
 def _resolve(path: str, key: str) -> tuple[Path, str]:
     """The file to read and the name to show in messages."""
     if path.startswith("builtin:"):
         name = path.removeprefix("builtin:")
+        if name in RENAMED:
+            print(f"revffn: {key}: builtin:{name} is now builtin:{RENAMED[name]} (the word-reversal task); the old "
+                  "name goes in the next release.", file=sys.stderr)
+            name = RENAMED[name]
         if name not in builtin_names():
             raise UserError(f"{key}: unknown builtin dataset {path!r}.{closest(name, builtin_names())} "
                             f"Available: {', '.join('builtin:' + n for n in builtin_names())}.")

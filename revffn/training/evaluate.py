@@ -7,7 +7,7 @@ answer (its final assistant message) after collapsing whitespace. When the refer
 whitespace-collapsed and lower-cased: "The capital of France is Paris." answers "Paris" (knowledge
 probes such as `builtin:smollm2_probes`, whose answers come in a sentence).
 
-    revffn eval runs/quickstart/final --data builtin:quickstart_test --json
+    revffn eval runs/quickstart/final --data builtin:reversal_test --json
     revffn eval builtin:smollm2 --data builtin:smollm2_probes --match contains
 """
 

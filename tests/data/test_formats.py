@@ -58,9 +58,9 @@ def test_json_list_gives_start_lines(tmp_path):
 
 
 def test_builtin():
-    examples = load_examples("builtin:quickstart_train")
-    assert len(examples) == 600 and examples[0]["source"] == "builtin:quickstart_train:1"
-    with pytest.raises(UserError, match="quickstart_train"):
+    examples = load_examples("builtin:reversal_train")
+    assert len(examples) == 600 and examples[0]["source"] == "builtin:reversal_train:1"
+    with pytest.raises(UserError, match="reversal_train"):
         load_examples("builtin:quickstart_trian")
 
 
@@ -115,3 +115,12 @@ def test_empty_dataset(write_jsonl, tmp_path):
     assert "no examples" in _error(write_jsonl(["", ""], name="empty.jsonl"))
     (tmp_path / "empty.json").write_text("[]")
     assert "empty.json" in _error(str(tmp_path / "empty.json"))
+
+
+def test_the_old_names_of_the_reversal_sets_still_read_with_a_deprecation_line(capsys):
+    from revffn.data.formats import load_examples
+
+    old, new = load_examples("builtin:quickstart_test", "data"), load_examples("builtin:reversal_test", "data")
+    assert [e["messages"] for e in old] == [e["messages"] for e in new] and len(new) == 64
+    err = capsys.readouterr().err
+    assert "builtin:quickstart_test is now builtin:reversal_test" in err and err.count("\n") == 1

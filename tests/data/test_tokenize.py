@@ -105,7 +105,7 @@ def test_packing_rows_and_tokens(tok, length):
 
 
 def test_collate_pads_right(tok):
-    items = tokenize_dataset(load_examples("builtin:quickstart_train")[:4], tok, 64).items
+    items = tokenize_dataset(load_examples("builtin:reversal_train")[:4], tok, 64).items
     batch = collate(items, pad_id=tok.pad_token_id)
     width = max(len(ids) for ids, _ in items)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, width)

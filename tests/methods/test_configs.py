@@ -55,7 +55,7 @@ def test_config_validates(path, capsys, tmp_path, monkeypatch):
         # a real-model config (GPU): validate every key and the data with a local stand-in model
         for key in ("data", "eval_data"):
             if cfg.get(key) and not cfg[key].startswith("builtin:") and not Path(cfg[key]).exists():
-                extra.append(f"{key}=builtin:quickstart_train")
+                extra.append(f"{key}=builtin:reversal_train")
         extra += ["model=tiny-qwen2-moe", f"output_dir={tmp_path / 'run'}"]
     assert main(["validate", str(path), *extra]) == 0
     assert "config OK" in capsys.readouterr().out

@@ -124,7 +124,7 @@ def test_recompute_chunk_tokens_reaches_the_backward_and_the_estimate():
 def test_heal_stage_resumes_exactly(tmp_path):
     """Heal steps 1-4 on `self` text, joint steps 5-6 with distillation; resumed from step 3."""
     args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_warmup_steps=4",
-            "revffn.distill_coef=0.5", "data=builtin:quickstart_train",
+            "revffn.distill_coef=0.5", "data=builtin:reversal_train",
             "eval_data=null", "max_seq_length=32", "save_steps=3", "logging_steps=1"]
     assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0
     import shutil
@@ -144,7 +144,7 @@ def test_empty_heal_data_exits_2_and_writes_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *TINY, "model_config={num_hidden_layers: 2}", "revffn.adapter_warmup_steps=2",
                  f"revffn.heal_data={empty}",
-                 "data=builtin:quickstart_train", f"output_dir={run}"]) == 2
+                 "data=builtin:reversal_train", f"output_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "revffn.heal_data" in err and "Fix:" in err and not run.exists()
 
@@ -173,7 +173,7 @@ def test_a_resume_does_not_calibrate_and_keeps_the_calibration_report(tmp_path, 
     monkeypatch.setattr(conversion, "calibrate_model", lambda *a, **k: calls.append(1) or real(*a, **k))
     args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_init=calibrated",
             "revffn.calibration_data=self", "revffn.calibration_tokens=512", "revffn.adapter_warmup_steps=2",
-            "data=builtin:quickstart_train",
+            "data=builtin:reversal_train",
             "eval_data=null", "max_seq_length=32", "save_steps=3", "logging_steps=1"]
     assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0
     assert len(calls) == 1

@@ -68,7 +68,7 @@ def test_builtin_files_are_regenerated_identically(tmp_path):
     assert sum(p.stat().st_size for p in written) < 1_000_000
 
 
-@pytest.mark.parametrize("prefix,sizes", [("quickstart", {"train": 600, "test": 64}),
+@pytest.mark.parametrize("prefix,sizes", [("reversal", {"train": 600, "test": 64}),
                                           ("gsm", {"train": 1000, "val": 100, "test": 100}),
                                           ("format", {"train": 1000, "val": 100, "test": 100}),
                                           ("commas", {"train": 1000, "val": 100, "test": 100})])
@@ -92,10 +92,10 @@ def test_reversal_tasks():
     for ex in tasks.format_task(100, seed=1):
         words = ex["input"].split()
         assert 2 <= len(words) <= 4 and ex["output"].split() == words[::-1]
-    for ex in tasks.quickstart(100, seed=1):
+    for ex in tasks.reversal(100, seed=1):
         words = ex["instruction"].removeprefix("Reverse: ").split()
         assert set(words) <= set(tasks.QUICK_WORDS) and ex["output"].split() == words[::-1]
-    assert tasks.quickstart(50, seed=2) == tasks.quickstart(50, seed=2) != tasks.quickstart(50, seed=3)
+    assert tasks.reversal(50, seed=2) == tasks.reversal(50, seed=2) != tasks.reversal(50, seed=3)
 
 
 def test_comma_task():

@@ -28,7 +28,7 @@ from revffn.training.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 FAULT_RUN = Path(__file__).with_name("fault_run.py")
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}",
-        "data=builtin:quickstart_train", "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0",
+        "data=builtin:reversal_train", "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0",
         "max_seq_length=32", "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0",
         "adam_epsilon=1e-6"]  # AdamW's eps 1e-8 would amplify rounding in near-zero gradients to ~1e-5
 METHODS = {  # name: (options, the reference's per_device_train_batch_size, gradient_accumulation_steps)

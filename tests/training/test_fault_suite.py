@@ -43,7 +43,7 @@ HI = [{"instruction": f"say hi {i}", "output": "hi there"} for i in range(8)]
 @pytest.mark.parametrize("where", ["max_steps", "model_config"])
 def test_a_yaml_alias_bomb_exits_2_at_once(tmp_path, capsys, where):
     config = tmp_path / "bomb.yaml"
-    config.write_text(f"model: tiny-qwen2-moe\ndata: builtin:quickstart_train\noutput_dir: {tmp_path / 'run'}\n"
+    config.write_text(f"model: tiny-qwen2-moe\ndata: builtin:reversal_train\noutput_dir: {tmp_path / 'run'}\n"
                       + BOMB.replace("i: &i", f"{where}: &i"))
     t0 = time.perf_counter()
     assert cli.main(["train", str(config)]) == 2
@@ -55,13 +55,13 @@ def test_a_yaml_alias_bomb_exits_2_at_once(tmp_path, capsys, where):
 
 def test_an_alias_bomb_in_an_override_exits_2(tmp_path, capsys):
     value = "{" + BOMB.replace("\n", ", ").rstrip(", ") + "}"
-    assert cli.main(["train", *TINY, f"model_config={value}", "data=builtin:quickstart_train",
+    assert cli.main(["train", *TINY, f"model_config={value}", "data=builtin:reversal_train",
                      f"output_dir={tmp_path / 'run'}"]) == 2
     assert "override model_config: i: its YAML aliases expand" in _error_line(capsys.readouterr().err)
 
 
 def test_a_long_bad_value_is_shown_in_at_most_200_characters(tmp_path, capsys):
-    assert cli.main(["train", *TINY, "data=builtin:quickstart_train", f"output_dir={tmp_path / 'run'}",
+    assert cli.main(["train", *TINY, "data=builtin:reversal_train", f"output_dir={tmp_path / 'run'}",
                      "lr_scheduler_type=" + "x" * 100_000]) == 2
     line = _error_line(capsys.readouterr().err)
     assert "lr_scheduler_type" in line and len(line) < 600
@@ -109,7 +109,7 @@ def test_every_count_and_number_flag_refuses_what_it_cannot_mean(capsys):
     bare = [f"{name} {'/'.join(a.option_strings)}" for name, sub in subs.items() for a in sub._actions
             if a.type in (int, float)]
     assert bare == []
-    for argv in (["eval", "x", "--data", "builtin:quickstart_test", "--limit", "-1"],
+    for argv in (["eval", "x", "--data", "builtin:reversal_test", "--limit", "-1"],
                  ["bench", "--nproc", "0"], ["bench", "--timeout", "nan"], ["estimate", "--model", "x",
                                                                             "--world-size", "0"]):
         with pytest.raises(SystemExit) as e:
@@ -121,7 +121,7 @@ def test_every_count_and_number_flag_refuses_what_it_cannot_mean(capsys):
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("model") / "run"
-    assert cli.main(["train", *TINY, "data=builtin:quickstart_train", f"output_dir={run}", "max_steps=1"]) == 0
+    assert cli.main(["train", *TINY, "data=builtin:reversal_train", f"output_dir={run}", "max_steps=1"]) == 0
     return run / "final"
 
 
@@ -157,8 +157,8 @@ def _no_tokenizer(model: Path) -> None:
 def test_a_damaged_model_is_refused_before_anything_is_written(saved_model, tmp_path, capsys, damage, says, command):
     model = _damaged(saved_model, tmp_path, damage)
     run = f"output_dir={tmp_path / 'run'}"
-    argv = {"train": ["train", *TINY, f"model={model}", "data=builtin:quickstart_train", run],
-            "eval": ["eval", str(model), "--data", "builtin:quickstart_test", "--limit", "2"],
+    argv = {"train": ["train", *TINY, f"model={model}", "data=builtin:reversal_train", run],
+            "eval": ["eval", str(model), "--data", "builtin:reversal_test", "--limit", "2"],
             "generate": ["generate", str(model), "--prompt", "hi"]}[command]
     assert cli.main(argv) == 2
     line = _error_line(capsys.readouterr().err)

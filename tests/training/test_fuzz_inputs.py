@@ -22,7 +22,7 @@ from revffn.methods import method_section_schema
 from revffn.training.config import SCHEMA
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "method=full",
-        "data=builtin:quickstart_train", "eval_data=null", "max_steps=1", "max_seq_length=16", "device=cpu"]
+        "data=builtin:reversal_train", "eval_data=null", "max_steps=1", "max_seq_length=16", "device=cpu"]
 RANDOM = bytes(random.Random(0).randrange(256) for _ in range(600))
 NOT_UTF8 = "model: tiny-qwen2-moe\ndata: café.jsonl\n".encode("latin-1")
 YAML_TRUNCATED = b"model: tiny-qwen2-moe\ndata: [builtin:quickstart_tr"

@@ -59,7 +59,7 @@ def test_math_config_rule():
 
 
 @pytest.mark.parametrize("over", [["logging_steps=2", "save_steps=5", "save_total_limit=3", "max_steps=9"],
-                                  ["eval_steps=1", "eval_data=builtin:quickstart_test", "max_restarts=1"],
+                                  ["eval_steps=1", "eval_data=builtin:reversal_test", "max_restarts=1"],
                                   ["device=auto", "distributed=none", "distributed_timeout=60"],
                                   ["report_to=tensorboard", "stall_timeout_s=60", "memory_growth_window=10",
                                    "memory_growth_tolerance_mib=8"]])

@@ -124,7 +124,7 @@ def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, o
     """Each optimizer, with and without the in-backward step: the loss falls, and a run resumed from its
     step-3 checkpoint reproduces steps 4-6 (the optimizer state saved and restored)."""
     pytest.importorskip("torchao") if "bit" in optimizer else None
-    args = ["train", *TINY[:2], "method=revffn", "data=builtin:quickstart_train", "eval_data=null",
+    args = ["train", *TINY[:2], "method=revffn", "data=builtin:reversal_train", "eval_data=null",
             "model_config={num_hidden_layers: 2, hidden_size: 64}", "max_steps=6", "save_steps=3",
             "per_device_train_batch_size=4", "max_seq_length=32", "dtype=float32", "device=cpu",
             "learning_rate=" + ("3e-2" if optimizer == "adafactor" else "1e-3"), "logging_steps=1",
@@ -145,7 +145,7 @@ def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, o
 ])
 def test_bad_optimizer_combinations_exit_2_and_write_nothing(overrides, needle, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:quickstart_train", "max_steps=2",
+    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:reversal_train", "max_steps=2",
                  "device=cpu", f"output_dir={out}", *overrides]) == 2
     err = capsys.readouterr().err
     assert needle in err and not out.exists()
@@ -163,7 +163,7 @@ def test_a_missing_torchao_is_a_config_error(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_torchao)
     out = tmp_path / "run"
-    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:quickstart_train", "max_steps=2",
+    assert main(["train", "model=tiny-qwen2-moe", "method=full", "data=builtin:reversal_train", "max_steps=2",
                  "device=cpu", f"output_dir={out}", "optimizer=adamw8bit"]) == 2
     assert "pip install torchao" in capsys.readouterr().err and not out.exists()
 
@@ -174,7 +174,7 @@ def test_bf16_stochastic_rounding_trains_and_resumes(tmp_path, one_thread):
     uninterrupted one (the rounding draws from the generator state the checkpoint restores)."""
     pytest.importorskip("torchao")
     args = ["train", "model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}", "method=full",
-            "data=builtin:quickstart_train", "eval_data=null", "max_steps=6", "save_steps=3", "logging_steps=1",
+            "data=builtin:reversal_train", "eval_data=null", "max_steps=6", "save_steps=3", "logging_steps=1",
             "per_device_train_batch_size=4", "max_seq_length=32", "dtype=bfloat16", "device=cpu",
             "learning_rate=1e-3", "bf16_stochastic_round=true"]
     ref, resumed = _run_and_resume(args, tmp_path)

@@ -24,8 +24,9 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "stage", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"} <= set(rows[0])
     assert any("eval_loss" in r for r in rows)
-    assert [r["stage"] for r in rows][0] == "warmup" and rows[-1]["stage"] == "joint"
-    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    joint = [r["loss"] for r in rows if r["stage"] == "joint"]
+    assert rows[0]["stage"] == "heal" and rows[-1]["stage"] == "joint"  # the method's defaults: a heal on self first
+    assert joint[-1] < joint[0] - 0.5
     gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: rope ink tea",
                "--max-new-tokens", "8")
     assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
 FAULT_RUN = Path(__file__).with_name("fault_run.py")  # revffn train with a fault injected
 
 BASE = {
-    "model": "tiny-qwen2-moe", "method": "revffn", "data": "builtin:quickstart_train",
+    "model": "tiny-qwen2-moe", "method": "revffn", "data": "builtin:reversal_train",
     "max_steps": 10, "save_steps": 3, "save_total_limit": 2, "logging_steps": 1, "seed": 3,
     "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_seq_length": 48,
     "learning_rate": 2e-3, "warmup_steps": 2, "revffn": {"adapter_warmup_steps": 4},  # boundary at step 5

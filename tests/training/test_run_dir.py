@@ -15,7 +15,7 @@ from revffn import cli
 from revffn.training.setup import RUN_MARKER
 
 FAULT_RUN = Path(__file__).with_name("fault_run.py")
-TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:quickstart_train",
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
         "eval_data=null", "eval_generate_limit=0", "logging_steps=1", "per_device_train_batch_size=2",
         "max_seq_length=32", "dtype=float32", "device=cpu", "method=full"]
 

@@ -14,7 +14,7 @@ import pytest
 from revffn import cli
 from revffn.training.setup import LOCK_FILE, RunLock
 
-TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:quickstart_train",
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
         "eval_data=null", "eval_generate_limit=0", "max_steps=3", "logging_steps=1", "save_steps=0",
         "per_device_train_batch_size=2", "max_seq_length=32", "dtype=float32", "device=cpu", "method=full"]
 

@@ -23,7 +23,7 @@ STALL_S = 5
 # leaks about 3.5 MiB a step with `leak@step:1` (every module's output kept); the memory in use stays flat without
 RUN = {
     "model": "tiny-qwen2-moe", "model_config": {"num_hidden_layers": 1, "hidden_size": 128},
-    "data": "builtin:quickstart_train", "eval_data": None, "max_steps": 40, "save_steps": 3, "logging_steps": 1,
+    "data": "builtin:reversal_train", "eval_data": None, "max_steps": 40, "save_steps": 3, "logging_steps": 1,
     "seed": 3, "per_device_train_batch_size": 8, "max_seq_length": 64, "dtype": "float32", "device": "cpu",
     "revffn": {"adapter_warmup_steps": 3}, "memory_growth_window": 10, "memory_growth_tolerance_mib": 8,
 }
