@@ -12,6 +12,8 @@ holds 90 GiB of `consolidated.*.pt`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from revffn.errors import UserError
 
 META_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]  # config, generation config, tokenizer, weight index
@@ -53,8 +55,13 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
+_RESOLVED: dict[tuple[str, str, bool], str] = {}  # (cache, ref, weights) -> its snapshot directory, once a process
+
+
 def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
-    """The cache directory of Hub ID `ref` (see the module docstring), downloading what is missing.
+    """The cache directory of Hub ID `ref` (see the module docstring), downloading what is missing. Resolved
+    once per process: the model, the converted-model check and the tokenizer of one run ask the Hub once (a
+    snapshot with the weights also answers a later ask without them).
 
     Args:
         ref: `ORG/NAME` or `ORG/NAME@REVISION` (`parse_hub_id` accepts it).
@@ -70,8 +77,13 @@ def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
     repo_id, revision = parse_hub_id(ref)
     fetch = f"`{download_command(ref)}`"
     cache = constants.HF_HUB_CACHE
+    for known in ((cache, ref, True), (cache, ref, weights)):
+        if known in _RESOLVED and Path(_RESOLVED[known]).is_dir():
+            return _RESOLVED[known]
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns(weights))
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns(weights))
+        _RESOLVED[cache, ref, weights] = path
+        return path
     except errors.LocalEntryNotFoundError as e:
         if isinstance(e, getattr(errors, "IncompleteSnapshotError", ())):  # huggingface_hub >= 2.4 tells
             raise UserError(f"{key}: the cached snapshot of {ref!r} in {cache} is incomplete ({_first_line(e)}). "

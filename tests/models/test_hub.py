@@ -162,3 +162,30 @@ def test_generate_by_hub_id(base_cache, capsys):
     """`revffn generate ORG/NAME` (and eval, the same loader): the model and its tokenizer from the cache."""
     assert main(["generate", REPO, "--prompt", "Put commas between: red cat sun", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_a_hub_id_is_resolved_once_per_process(cache, monkeypatch, tmp_path):
+    """The model, the converted check and the tokenizer of one run ask the Hub once; another cache asks again."""
+    import huggingface_hub
+
+    from revffn.models.hub import snapshot
+
+    calls = []
+    where = tmp_path / "snap"
+    where.mkdir()
+
+    def fake(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, tuple(allow_patterns)))
+        return str(where)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert snapshot("org/once") == snapshot("org/once") == snapshot("org/once", weights=False) == str(where)
+    assert len(calls) == 1  # the snapshot with weights answers the ask without them too
+    assert snapshot("org/lean", weights=False) and snapshot("org/lean") and len(calls) == 3  # but not the reverse
+    from huggingface_hub import constants
+
+    other = tmp_path / "other-cache"
+    other.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(other))
+    snapshot("org/once")
+    assert len(calls) == 4
