@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--distributed", default="none", help="none | ddp | fsdp: the per-GPU memory of that "
                    "data-parallel strategy (default none)")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="estimator option: rank=8, group_size=2, freeze_router=false, padded=false, ...")
+                   help="estimator option: r=8, group_size=2, freeze_router=false, padded=false, ...")
     s.add_argument("--json", action="store_true", help="print exactly one JSON object")
     s.set_defaults(fn=cmd_estimate)
 

@@ -25,11 +25,12 @@ GPUs) changes only the static terms and adds the buffers of the strategy:
   the base model's parameters (`unit_params`), so a method's adapters count with their units (a
   teacher copy too: an overestimate, as the teacher's layers are gathered in its own forward).
 
-The shared parts live here: the model geometry (`Dims`), parameter counts, the bytes each layer saves
-when everything trains (`MemoryContext`), and the static / logits / overhead arithmetic. Each method's
-own part (what trains, what its forward keeps) is its class's `memory_terms` (`revffn.methods`), with
-its options in `ESTIMATE_OPTIONS`; `estimate` takes the class, since this package sits below the
-methods and never imports them (resolve a name with `revffn.methods.method_class`).
+The shared parts live here: the model geometry (`Dims`), parameter counts, the bytes each layer saves when
+everything trains (`MemoryContext`), and the static / logits / overhead arithmetic. Each method's own part
+(what trains, what its forward keeps) is its class's `memory_terms` (`revffn.methods`), with its options in
+`estimate_keys()` (the SCHEMA keys named in `ESTIMATE_KEYS`, then estimator-only `ESTIMATE_OPTIONS`);
+`estimate` takes the class, since this package sits below the methods and never imports them (resolve a name
+with `revffn.methods.method_class`).
 
 Per-layer saved tensors (`revffn.memory.saved`) follow transformers 5.x modules as they run (RMSNorm
 in fp32, SDPA, grouped_mm experts) and depend on what needs a gradient: frozen weights keep less
@@ -60,7 +61,7 @@ OVERHEAD = 0.05
 DISTRIBUTED = ("none", "ddp", "fsdp")
 MAX_GPUS = 1024  # the most GPUs `gpus_needed` tries
 CHUNK_TOKENS = 1024
-COMMON_OPTIONS = {  # every method's estimator options (a method adds its own in ESTIMATE_OPTIONS)
+COMMON_OPTIONS = {  # every method's estimator options (a method adds its own: `estimate_keys()`)
     "padded": Key(bool, True, "an attention mask is given (as the training loop does): k/v repeated to all heads"),
     "attn_implementation": Key((str, type(None)), None, "sdpa | eager (null: the config's)"),
     "optimizer": Key((str, type(None)), None, "adamw | adamw8bit | adamw4bit | adafactor (null: the `optimizer` "
@@ -258,8 +259,9 @@ class MemoryMethod(Protocol):
     """What `estimate` needs of a method class (`revffn.methods.base.Method` has it)."""
 
     name: str
-    ESTIMATE_OPTIONS: dict[str, Key]
     DISTRIBUTED: tuple[str, ...]  # the data-parallel strategies that train it
+
+    def estimate_keys(self) -> dict[str, Key]: ...
 
     def memory_terms(self, ctx: MemoryContext, **options) -> MemoryTerms: ...
 
@@ -286,7 +288,7 @@ def context(config, batch: int, seq: int, s: int, padded: bool = True, impl: str
 
 def _options(method: MemoryMethod, given: dict) -> dict:
     """`given` checked against the common and the method's options, defaults filled in."""
-    keys = {**COMMON_OPTIONS, **method.ESTIMATE_OPTIONS}
+    keys = {**COMMON_OPTIONS, **method.estimate_keys()}
     unknown = sorted(set(given) - set(keys))
     if unknown:
         raise UserError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}. Allowed: "
@@ -309,8 +311,9 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         world_size, distributed: data-parallel GPUs and strategy (``none`` | ``ddp`` | ``fsdp``).
         options: ``padded`` (True: an attention mask is passed, as the training loop does),
             ``attn_implementation`` (``sdpa`` | ``eager``; default the config's), and the method's
-            ``ESTIMATE_OPTIONS`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``, ``distill_coef``,
-            ``recompute_chunk_tokens``; lora, dora, refta: ``rank``; hift: ``group_size``).
+            ``estimate_keys()`` (revffn: ``freeze_router``, ``stage``, ``stream_dtype``, ``stream_width``,
+            ``adapter_skip``, ``distill_coef``, ``recompute_chunk_tokens``; lora, dora, refta: ``r``; hift:
+            ``group_size``).
 
     Raises:
         UserError: an unknown option, optimizer or dtype, a bad batch or sequence length, or a data-parallel

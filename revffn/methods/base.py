@@ -6,7 +6,7 @@ registry (`revffn.methods.METHODS`). The loop, the bench, the study and the esti
 methods below; nothing elsewhere branches on a method's name.
 
 Three groups of hooks: training (an instance, built from the run's config), the memory estimate
-(`ESTIMATE_OPTIONS`, `estimate_options`, `memory_terms`: class-level, a config is never needed) and
+(`ESTIMATE_KEYS`, `ESTIMATE_OPTIONS`, `estimate_options`, `memory_terms`: class-level, a config is never needed) and
 the quality study (`STUDY_LR_GRID`, `STUDY_OPTIONS`, `STUDY_GAP_VARIANTS`, `study_options`).
 """
 
@@ -30,6 +30,9 @@ class Method:
     name: ClassVar[str]
     SCHEMA: ClassVar[dict[str, Key]] = {}  # option name -> Key, under the YAML section `name:`
     # memory estimate: option name -> Key (beyond `revffn.memory.estimate.COMMON_OPTIONS`)
+    # the estimator's view of the method: the SCHEMA keys it reads, under their own names (declared once, in
+    # SCHEMA), and options only the estimator has (`ESTIMATE_OPTIONS`, e.g. revffn's `stage`)
+    ESTIMATE_KEYS: ClassVar[tuple[str, ...]] = ()
     ESTIMATE_OPTIONS: ClassVar[dict[str, Key]] = {}
     # quality study: the declared LR grid (None: not in the study), the YAML section of its runs, and
     # label -> options replacing STUDY_OPTIONS for the conversion-gap runs (non-empty: the method changes
@@ -135,13 +138,18 @@ class Method:
 
     # -- memory estimate (class-level: needs no config) ---------------------------------------------
     @classmethod
+    def estimate_keys(cls) -> dict[str, Key]:
+        """Every option `memory_terms` takes: the SCHEMA keys named in `ESTIMATE_KEYS`, then `ESTIMATE_OPTIONS`."""
+        return {**{k: cls.SCHEMA[k] for k in cls.ESTIMATE_KEYS}, **cls.ESTIMATE_OPTIONS}
+
+    @classmethod
     def estimate_options(cls, section: dict) -> dict:
-        """The estimator options (`ESTIMATE_OPTIONS`) of a training config's method section."""
-        return {}
+        """The estimator options of a training config's method section: its `ESTIMATE_KEYS` values."""
+        return {k: section[k] for k in cls.ESTIMATE_KEYS}
 
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, **options) -> MemoryTerms:
-        """This method's part of `revffn.memory.estimate.estimate` (`options`: its ESTIMATE_OPTIONS,
+        """This method's part of `revffn.memory.estimate.estimate` (`options`: its `estimate_keys()`,
         defaults filled in). Default: full fine-tuning, every parameter trains and every layer keeps
         what its backward needs."""
         return MemoryTerms(trainable=ctx.counts["total"], activations_forward=ctx.full_activations)

@@ -60,7 +60,7 @@ class HiFTMethod(Method):
         "group_size": Key(int, 1, "units (embedding, each layer, norm+head) trained together: larger = fewer, "
                                   "bigger groups, more device memory per step", min=1),
     }
-    ESTIMATE_OPTIONS = {"group_size": Key(int, 1, "units trained together (as hift.group_size)", min=1)}
+    ESTIMATE_KEYS = ("group_size",)
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
 
     def __init__(self, cfg):
@@ -178,10 +178,6 @@ class HiFTMethod(Method):
                   num_groups=self.num_groups)
 
     # -- memory estimate ---------------------------------------------------------------------------
-    @classmethod
-    def estimate_options(cls, section: dict) -> dict:
-        return {"group_size": section["group_size"]}
-
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, group_size: int) -> MemoryTerms:
         """Grads and states for the largest group only; activations the largest over the groups."""

@@ -142,7 +142,7 @@ class PeftMethod(Method):
     `STUDY_LR_GRID` and `use_dora`; neither subclasses the other."""
 
     use_dora = False
-    ESTIMATE_OPTIONS = {"rank": Key(int, 16, "adapter rank (the default targets are assumed)", min=1)}
+    ESTIMATE_KEYS = ("r",)  # (the default targets are assumed)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -198,18 +198,14 @@ class PeftMethod(Method):
 
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
-    def estimate_options(cls, section: dict) -> dict:
-        return {"rank": section["r"]}
-
-    @classmethod
-    def memory_terms(cls, ctx: MemoryContext, rank: int) -> MemoryTerms:
+    def memory_terms(cls, ctx: MemoryContext, r: int) -> MemoryTerms:
         """Adapters on the default targets (fp32 on a bf16 model, as peft keeps them); the frozen base's
         activations that input gradients need, plus the adapters' (lora: W + BA of every expert, kept)."""
         m, s, kind = ctx.m, ctx.s, "dora" if cls.use_dora else "lora"
-        trainable = lora_trainable(m, rank, cls.use_dora)
+        trainable = lora_trainable(m, r, cls.use_dora)
         cast = s != 4  # peft keeps adapters in fp32 on a bf16 model
-        g = Grad(w=False, router=False, adapter=kind, rank=rank, rewritten=m.peft_rewrites, cast=cast)
-        notes = [f"{cls.name}: rank {rank} on q/k/v/o, shared-expert and dense MLP projections"
+        g = Grad(w=False, router=False, adapter=kind, rank=r, rewritten=m.peft_rewrites, cast=cast)
+        notes = [f"{cls.name}: rank {r} on q/k/v/o, shared-expert and dense MLP projections"
                  + (" (not the fused experts: peft's ParamWrapper refuses DoRA)" if cls.use_dora
                     else ", every expert's gate_up and down (W + BA materialised per forward and kept)")
                  + "; activations: the frozen model's (what input gradients need) + the adapters'"]

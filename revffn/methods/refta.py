@@ -81,7 +81,7 @@ class ReFTAMethod(Method):
         "alpha": Key(float, 32.0, "update scale numerator: ΔW = (alpha / r) B G A", min=0, min_exclusive=True),
         "target_modules": Key((list, type(None)), None, "Linear module name suffixes (null: q/k/v/o_proj)"),
     }
-    ESTIMATE_OPTIONS = {"rank": Key(int, 16, "rank of the shared factors and the cores (default targets)", min=1)}
+    ESTIMATE_KEYS = ("r",)  # (the default targets are assumed)
     STUDY_LR_GRID = (1e-3, 3e-3)  # an adapter method: ~10x full's
 
     @classmethod
@@ -106,17 +106,13 @@ class ReFTAMethod(Method):
 
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
-    def estimate_options(cls, section: dict) -> dict:
-        return {"rank": section["r"]}
-
-    @classmethod
-    def memory_terms(cls, ctx: MemoryContext, rank: int) -> MemoryTerms:
+    def memory_terms(cls, ctx: MemoryContext, r: int) -> MemoryTerms:
         """The default q/k/v/o targets in the model dtype; the frozen base's activations that input
         gradients need, plus A x and G A x per projection."""
         m = ctx.m
-        trainable = refta_trainable(m, rank)
-        g = Grad(w=False, router=False, adapter="refta", rank=rank, rewritten=m.peft_rewrites, cast=False)
-        note = (f"refta: rank {rank}; shared A per input width, per-layer B and core on q/k/v/o; activations: the "
+        trainable = refta_trainable(m, r)
+        g = Grad(w=False, router=False, adapter="refta", rank=r, rewritten=m.peft_rewrites, cast=False)
+        note = (f"refta: rank {r}; shared A per input width, per-layer B and core on q/k/v/o; activations: the "
                 "frozen model's (what input gradients need) + 2 (rows x rank) per projection")
         return MemoryTerms(trainable=trainable, activations_forward=ctx.adapted_activations(g), extra_params=trainable,
                            notes=(note,))

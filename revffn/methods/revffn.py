@@ -84,16 +84,10 @@ class RevFFNMethod(Method):
                                       "(0: the whole batch; a layer whose MoE branch draws random numbers is "
                                       "recomputed whole)", min=0),
     }
+    ESTIMATE_KEYS = ("freeze_router", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
+                     "recompute_chunk_tokens")
     ESTIMATE_OPTIONS = {
-        "freeze_router": Key(bool, True, "stage 2: the MoE routers frozen"),
-        "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2),
-        "stream_dtype": Key(str, "float32", "dtype of the two residual streams"),
-        "adapter_skip": Key(bool, True, "the 2 skip adapters per layer"),
-        "stream_width": Key(str, "full", "full: two d-wide streams; half: two d/2 ones", choices=STREAM_WIDTHS),
-        "distill_coef": Key(float, 0.0, "stage 2: > 0 keeps a frozen teacher copy of the weights", min=0.0),
-        "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: the MoE branch recomputed by chunks of "
-                                      "N tokens (0: whole)", min=0),
-    }
+        "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
     converted_from: str | None = None  # set by `prepare` when the model came converted
     calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
@@ -307,13 +301,6 @@ class RevFFNMethod(Method):
                        **({"calibration": self.calibration} if self.calibration else {}))
 
     # -- memory estimate ---------------------------------------------------------------------------
-    @classmethod
-    def estimate_options(cls, section: dict) -> dict:
-        return {"freeze_router": section["freeze_router"], "stream_dtype": section["stream_dtype"],
-                "adapter_skip": section["adapter_skip"], "stream_width": section["stream_width"],
-                "distill_coef": section["distill_coef"],
-                "recompute_chunk_tokens": section["recompute_chunk_tokens"]}
-
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
                      adapter_skip: bool = True, distill_coef: float = 0.0,

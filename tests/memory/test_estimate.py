@@ -114,7 +114,7 @@ def test_peft_methods_train_few_params():
         # refta keeps only what the frozen model's input gradients need, plus its adapters' outputs
         if method != "dora":  # (dora: fp32 adapters on bf16 keep fp32 input copies; about full's)
             assert (est["activations"] > full["activations"]) == (method == "lora")
-    lora8, lora32 = (estimate(config, "lora", 1, 2048, rank=r)["trainable_params"] for r in (8, 32))
+    lora8, lora32 = (estimate(config, "lora", 1, 2048, r=r)["trainable_params"] for r in (8, 32))
     assert lora32 == 4 * lora8
     # peft's DoRA adapts only Linear modules (attention here), LoRA also every expert
     dora, lora = (estimate(config, m, 1, 2048)["trainable_params"] for m in ("dora", "lora"))

@@ -56,7 +56,7 @@ def test_revffn_estimate_method_toy(toy, capsys):
     assert est["method"] == "toy" and "toy: full fine-tuning, input embedding frozen" in est["notes"]
     assert est["trainable_params"] == full["trainable_params"] - counts["embed"]
     assert est["activations"] < full["activations"] and est["total"] < full["total"]
-    assert cli.main([*argv, "--option", "rank=4"]) == 2  # its ESTIMATE_OPTIONS (none) are what it accepts
+    assert cli.main([*argv, "--option", "r=4"]) == 2  # its estimate_keys() (none) are what it accepts
     allowed = "Allowed: attn_implementation, loss, offload, optimizer, optimizer_in_backward, padded."
     assert allowed in capsys.readouterr().err
 

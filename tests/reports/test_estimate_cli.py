@@ -18,7 +18,7 @@ def test_prints_a_breakdown(capsys):
 
 def test_json_is_one_object(capsys):
     assert cli.main(["estimate", "--model", "tiny-olmoe", "--method", "lora", "--batch", "2", "--seq", "64",
-                     "--dtype", "float32", "--option", "rank=8", "--gpu-mem", "1GiB", "--json"]) == 0
+                     "--dtype", "float32", "--option", "r=8", "--gpu-mem", "1GiB", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert est["method"] == "lora" and est["fits"] is True and est["gpu_mem"] == "1GiB"
     assert est["total"] == sum(est[k] for k in ("weights", "grads", "optimizer_states", "activations", "logits",
