@@ -102,7 +102,7 @@ def test_tensorboard_holds_every_metrics_line_across_a_restart(tmp_path):
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one writer per run
     rows = _assert_tensorboard_is_metrics(run_dir, resumed_at=3)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
-    assert [r["stage"] for r in rows] == ["warmup", "joint", "joint", "joint"]
+    assert [r["stage"] for r in rows] == ["heal", "joint", "joint", "joint"]  # the defaults: a heal first
 
 
 def _wandb_records(path: Path):
