@@ -18,11 +18,6 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-DEST="${OUT:-runs/gpu_bench}"
-mkdir -p "$DEST/bench"
-LOG="$DEST/gpu_bench.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-PY="${PYTHON:-python3}"
 
 MODEL="${MODEL:-qwen1.5-moe-a2.7b}"
 LAYERS="${LAYERS:-8}"; BATCH="${BATCH:-4}"; SEQ="${SEQ:-1024}"; STEPS="${STEPS:-3}"
@@ -37,7 +32,8 @@ if [ "${TINY:-0}" = 1 ]; then
 fi
 
 NAME=gpu_bench
-source "$ROOT/scripts/gpu_common.sh"  # log(); the package importable; the packages and the GPU there, or exit 2
+source "$ROOT/scripts/gpu_common.sh"  # DEST, LOG, PY, log(); the package importable; the packages and the GPU, or exit 2
+mkdir -p "$DEST/bench"
 
 status=0
 # -- 1. consistency check, bf16, at the real width (2 layers: three model copies live at once) -------

@@ -1,7 +1,14 @@
-# Sourced by the GPU scripts (scripts/gpu_bench.sh, scripts/gpu_real.sh) after they set ROOT, DEST, LOG, PY,
-# DEVICE and NAME: defines log(); makes the package importable from the checkout (else an offline editable
+# Sourced by the GPU scripts (scripts/gpu_bench.sh, scripts/gpu_real.sh) after they set ROOT (and cd there), NAME
+# and DEVICE: sets DEST ($OUT, else runs/$NAME, created), LOG ($DEST/$NAME.log), PY ($PYTHON, else python3) and the
+# offline environment; defines log(); makes the package importable from the checkout (else an offline editable
 # install); exits 2 when a needed package or, with DEVICE=cuda, the GPU is missing; records nvidia-smi and the
 # versions. Nothing is downloaded.
+
+DEST="${OUT:-runs/$NAME}"
+mkdir -p "$DEST"
+LOG="$DEST/$NAME.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+PY="${PYTHON:-python3}"
 
 log() { echo "[$NAME $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
 

