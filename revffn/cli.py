@@ -180,11 +180,12 @@ def cmd_archs(args) -> int:
         raise UserError(f"--types: {', '.join(unknown)} not among the causal-LM model types of this transformers "
                         f"(MoE or dense). Fix: choose from {', '.join(known)}.")
 
-    def progress(i, n, row):
-        if not args.json:
-            print(f"[{i}/{n}] {row['family']:<5} {row['model_type']:<24} {row['status']}", file=sys.stderr, flush=True)
+    from revffn.progress import progress
 
-    data = run_archs(types, timeout=args.timeout, argv=args.argv, progress=progress)
+    with progress("archs", "model", every=0, bar=False, disable=args.json) as bar:
+        data = run_archs(types, timeout=args.timeout, argv=args.argv,
+                         progress=lambda i, n, row: bar(i, n, f"{row['family']:<5} {row['model_type']:<24} "
+                                                              f"{row['status']}"))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=1) + "\n")
     text = render_markdown(data)
@@ -250,14 +251,15 @@ def cmd_convert(args) -> int:
 
 def cmd_upcycle(args) -> int:
     from revffn.models.cache import check_replaceable, staged_dir
-    from revffn.models.loading import check_model_ref
+    from revffn.models.loading import check_model_ref, resolve_model_ref
     from revffn.models.upcycle import upcycle_into
 
     check_model_ref(args.model, "MODEL")
     out = Path(args.out)
     check_replaceable(out, args.overwrite)
+    src = Path(resolve_model_ref(args.model, "MODEL"))
     with staged_dir(out) as tmp:
-        manifest = upcycle_into(args.model, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
+        manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
     print(json.dumps(manifest) if args.json else
           f"revffn upcycle: wrote {args.out} ({manifest['arch']}, {manifest['experts']} experts, top-"
           f"{manifest['top_k']}, {manifest['parameters'] / 1e6:.1f} M parameters; max |Δlogit| against the dense "

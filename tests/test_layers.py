@@ -1,6 +1,6 @@
 """The package's layer order, as the folders show it: imports only go down, never up, no cycles.
 
-    errors -> schema -> reversible -> models -> memory -> data -> methods -> training -> reports -> cli
+    errors, progress -> schema -> reversible -> models -> memory -> data -> methods -> training -> reports -> cli
 
 Every `import revffn.X` / `from revffn.X import ...` counts, also the ones inside functions (a lazy
 import is still a dependency).
@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "revffn"
-LAYERS = [("errors",), ("schema",), ("reversible",), ("models",), ("memory",), ("data",), ("methods",), ("training",),
+LAYERS = [("errors", "progress"), ("schema",), ("reversible",), ("models",), ("memory",), ("data",), ("methods",), ("training",),
           ("reports",), ("cli",)]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 ENTRY_POINTS = {"__init__", "__main__"}  # the package's public surface and `python -m revffn`: above every layer
@@ -76,6 +76,49 @@ def cycles(package: Path) -> list[str]:
     return sorted(u for u in graph if reaches(u, u, set()))
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """revffn module -> the revffn modules it imports (a package's `__init__` is the package's name)."""
+    paths = {}
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package.parent).with_suffix("")
+        paths[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for mod in imports(path, package.parent):
+            while mod and mod not in paths:  # `from revffn.x.y import name`: the module is revffn.x.y
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name:
+                found.add(mod)
+        graph[name] = found
+    return graph
+
+
+def module_cycles(package: Path) -> list[list[str]]:
+    """The import circles between modules: strongly connected components of more than one module (Tarjan)."""
+    graph, index, low, stack, found = module_graph(package), {}, {}, [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_every_unit_has_a_layer():
     units = {unit(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)) for p in PACKAGE.rglob("*.py")}
     assert units - ENTRY_POINTS - {"recipes", "assets"} <= set(LEVEL), units - set(LEVEL)
@@ -90,6 +133,11 @@ def test_no_import_cycle_between_packages():
     assert not cycles(PACKAGE), f"packages on an import cycle: {cycles(PACKAGE)}"
 
 
+def test_no_import_cycle_between_modules():
+    """Within a package too: no module reaches itself through imports (lazy ones included)."""
+    assert not module_cycles(PACKAGE), f"modules on an import cycle: {module_cycles(PACKAGE)}"
+
+
 def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
     """The checks themselves can fail: a lazy import from models up to training is caught."""
     fake = tmp_path / "revffn"
@@ -99,3 +147,7 @@ def test_the_checks_see_an_upward_import_and_a_cycle(tmp_path):
     (fake / "training" / "loop.py").write_text("from revffn.models import bad\n")
     assert upward_imports(fake) == ["revffn/models/bad: models -> training"]
     assert cycles(fake) == ["models", "training"]
+    (fake / "models" / "a.py").write_text("from revffn.models.b import g\n")
+    (fake / "models" / "b.py").write_text("def g():\n    from revffn.models import a\n")
+    assert module_cycles(fake) == [["revffn.models.a", "revffn.models.b"],
+                                   ["revffn.models.bad", "revffn.training.loop"]]

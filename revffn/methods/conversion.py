@@ -10,7 +10,6 @@ data, or that holds conversations rather than plain text, gets a warning.
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import sys
 import time
@@ -22,31 +21,11 @@ from revffn.data.collate import data_shard
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models.calibrate import calibrate
+from revffn.progress import progress
 
 
 def log_line(line: str) -> None:
     print(f"revffn: {line}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def progress_bar(desc: str, unit: str):
-    """A tqdm bar (with ETA) fed as progress(done, total), as `calibrate` and `heal` report: on stderr, and only
-    on a terminal (`disable=None`), so logs and captured runs get the summary lines alone."""
-    from tqdm.auto import tqdm
-
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr, dynamic_ncols=True)
-        bar.update(done - bar.n)
-
-    try:
-        yield progress
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def peak_rss_bytes() -> int:
@@ -80,8 +59,8 @@ def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "re
     share = f"; this process fits rows {rank}::{world}, the sums all-reduced" if world > 1 else ""
     log(f"calibrating the adapters on {rows.numel()} tokens of {source} ({rows.shape[0]} rows{share})")
     reduce = (lambda t: torch.distributed.all_reduce(t)) if world > 1 else None
-    with progress_bar("calibrate", "pass") as progress:
-        report = calibrate(model, row_batches(rows[rank::world].to(device)), log=None, progress=progress,
+    with progress("calibrate", "pass") as bar:
+        report = calibrate(model, row_batches(rows[rank::world].to(device)), log=None, progress=bar,
                            reduce=reduce)
     worst = max(report["residuals"].items(), key=lambda kv: kv[1])
     log(f"calibrated in {report['wall_s']:.1f} s (+{data_s:.1f} s for the data); worst relative residual "

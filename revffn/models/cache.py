@@ -253,7 +253,7 @@ def _build_smollm2(tmp: Path) -> None:
 def _build_smollm2_moe(tmp: Path) -> None:
     from revffn.models.upcycle import upcycle_into
 
-    upcycle_into("builtin:smollm2", tmp, **SMOLLM2_MOE)
+    upcycle_into("builtin:smollm2", cached_model("builtin:smollm2"), tmp, **SMOLLM2_MOE)
 
 
 def cached_model(name: str, key: str = "model") -> Path:

@@ -72,13 +72,15 @@ def save_generation_config(out_dir: Path, tokenizer) -> None:
 
 
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,
-                   device=None, use_cache: bool = True) -> list[str]:
+                   device=None, use_cache: bool = True, progress=None) -> list[str]:
     """Greedy completions of already-rendered prompt `texts` (see `data.templates.chat_prompts`), decoded
-    without the stop tokens."""
+    without the stop tokens; `progress(completions done)` after each batch."""
     device = device if device is not None else next(model.parameters()).device
     stop, results = stop_ids(tokenizer), []
     for i in range(0, len(texts), batch_size):
         chunk = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[i : i + batch_size]]
         for seq in generate_ids(model, chunk, max_new_tokens, stop, tokenizer.pad_token_id, device, use_cache):
             results.append(tokenizer.decode(seq, skip_special_tokens=True))
+        if progress is not None:
+            progress(len(results))
     return results

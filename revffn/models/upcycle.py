@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from revffn.errors import UserError
+from revffn.progress import progress
 
 SOURCES = ("llama", "mistral", "qwen2")
 TARGETS = {"mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig"}
@@ -158,30 +159,34 @@ def max_logit_delta(dense, moe, vocab: int, seed: int = 0, batch: int = 2, seq: 
     return (a - b).abs().max().item()
 
 
-def upcycle_into(model: str, out: Path, experts: int, top_k: int, arch: str = "mixtral", seed: int = 0,
+def upcycle_into(model: str, src: Path, out: Path, experts: int, top_k: int, arch: str = "mixtral", seed: int = 0,
                  key: str = "model", renormalize: bool = True) -> dict:
-    """Upcycle model reference `model` into the empty directory `out`: the MoE (safetensors, fp32), the
-    tokenizer, and revffn.json with the measured max |Δlogit|; nothing when it is not exact. Returns revffn.json."""
+    """Upcycle model reference `model`, resolved to the HF directory `src`, into the empty directory `out`: the
+    MoE (safetensors, fp32), the tokenizer, and revffn.json with the measured max |Δlogit|; nothing when it is
+    not exact. Returns revffn.json."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from revffn.models.loading import resolve_model_ref
-    src = Path(resolve_model_ref(model, key))
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     check_upcycle(config, experts, top_k, arch, key)  # before the weights are read
-    dense = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32)
-    moe = upcycle(dense, experts, top_k, arch, seed, renormalize, key)
-    delta = max_logit_delta(dense, moe, config.vocab_size, seed)
-    if not delta <= TOLERANCE:
-        raise UserError(f"{key}: the upcycled {arch} differs from the dense model by max |Δlogit| {delta:.3g} > "
-                        f"{TOLERANCE:g} (fp32), so it does not equal it at init"
-                        + ("" if renormalize else " (top-k routing is not renormalized)")
-                        + ". Nothing was written. Fix: renormalized top-k routing (the default).")
-    manifest = {"format": "hf", "upcycled_from": model, "arch": arch, "experts": experts, "top_k": top_k,
-                "router_std": ROUTER_STD, "seed": seed, "max_abs_dlogit": delta, "tolerance": TOLERANCE,
-                "parameters": sum(p.numel() for p in moe.parameters())}
-    moe.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
-    if dense.generation_config is not None:
-        dense.generation_config.save_pretrained(out)
+    with progress("upcycle", "stage", 4) as bar:
+        dense = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32)
+        bar(1, 4, "loaded")
+        moe = upcycle(dense, experts, top_k, arch, seed, renormalize, key)
+        bar(2, 4, "upcycled")
+        delta = max_logit_delta(dense, moe, config.vocab_size, seed)
+        bar(3, 4, f"max |Δlogit| {delta:.2g}")
+        if not delta <= TOLERANCE:
+            raise UserError(f"{key}: the upcycled {arch} differs from the dense model by max |Δlogit| {delta:.3g} > "
+                            f"{TOLERANCE:g} (fp32), so it does not equal it at init"
+                            + ("" if renormalize else " (top-k routing is not renormalized)")
+                            + ". Nothing was written. Fix: renormalized top-k routing (the default).")
+        manifest = {"format": "hf", "upcycled_from": model, "arch": arch, "experts": experts, "top_k": top_k,
+                    "router_std": ROUTER_STD, "seed": seed, "max_abs_dlogit": delta, "tolerance": TOLERANCE,
+                    "parameters": sum(p.numel() for p in moe.parameters())}
+        moe.save_pretrained(out)
+        AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
+        if dense.generation_config is not None:
+            dense.generation_config.save_pretrained(out)
+        bar(4, 4, "saved")
     (Path(out) / "revffn.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest

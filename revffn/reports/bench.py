@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from revffn.errors import UserError, closest
+from revffn.progress import progress
 
 WORKER_MODULE = "revffn.reports.workers.bench"  # run as `python -m WORKER_MODULE ARGS_JSON`
 PEER_MODULE = "revffn.reports.workers.peer"  # a peer trainer's measurement, the same way
@@ -289,14 +290,14 @@ def combine_ranks(method: str, ranks: list[dict]) -> dict:
     return {**row, "ranks": ranks}
 
 
-def _progress(i: int, n: int, label: str, row: dict) -> None:
+def _row_note(label: str, row: dict) -> str:
     if row["status"] == "ok":
         what = f"ok {row['peak_mem_bytes'] / 2**20:.1f} MiB {row['tokens_per_s']:.0f} tok/s"
         if row.get("static_vs_one_process"):
             what += f", static per rank {row['static_vs_one_process']:.2f}x one process's"
     else:
         what = f"{row['status']}: {row.get('error', '')[:120]}"
-    print(f"[{i}/{n}] {label} ... {what} ({row.get('process_s', 0):.1f} s)", file=sys.stderr, flush=True)
+    return f"{label} ... {what} ({row.get('process_s', 0):.1f} s)"
 
 
 def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dict | None = None) -> dict:
@@ -389,9 +390,10 @@ def run_bench(spec: BenchSpec, argv: list[str] | None = None, runner: Runner | N
     `run_worker`); the bench.json document."""
     info = run_info(spec, argv, **({"worker_env": ALLOC_ENV} if spec.device == "cpu" or spec.nproc > 1 else {}))
     rows, labels = [], [*spec.methods, *peer_labels(spec.peers)]
-    for i, m in enumerate(labels, 1):
-        rows.append(measure(spec, m, runner))
-        _progress(i, len(labels), m, rows[-1])
+    with progress("bench", "run", len(labels), every=0, bar=False) as bar:
+        for i, m in enumerate(labels, 1):
+            rows.append(measure(spec, m, runner))
+            bar(i, len(labels), _row_note(m, rows[-1]))
     return {"run_info": info, "meta_info": meta_info(spec, rows), "results": rows}
 
 
@@ -416,13 +418,13 @@ def run_sweep(spec: BenchSpec, var: str, values: list[int], argv: list[str] | No
     info = run_info(spec, argv, sweep={"variable": var, "values": values},
                     **({"worker_env": ALLOC_ENV} if spec.device == "cpu" else {}))
     labels = [*spec.methods, *peer_labels(spec.peers)]
-    rows, n, i = [], len(values) * len(labels), 0
-    for v in values:
-        point = BenchSpec(**{**asdict(spec), SWEEP_VARS[var]: v})
-        for m in labels:
-            i += 1
-            rows.append({"value": v, **measure(point, m, runner)})
-            _progress(i, n, f"{var}={v} {m}", rows[-1])
+    rows, n = [], len(values) * len(labels)
+    with progress("bench", "run", n, every=0, bar=False) as bar:
+        for v in values:
+            point = BenchSpec(**{**asdict(spec), SWEEP_VARS[var]: v})
+            for m in labels:
+                rows.append({"value": v, **measure(point, m, runner)})
+                bar(len(rows), n, _row_note(f"{var}={v} {m}", rows[-1]))
     return {"run_info": info, "meta_info": meta_info(spec, rows), "sweep": {"variable": var, "values": values},
             "results": rows}
 

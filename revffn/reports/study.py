@@ -38,12 +38,14 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from revffn.errors import UserError
+from revffn.progress import progress
 
 WORKER_MODULE = "revffn.reports.workers.study"
 
@@ -184,10 +186,28 @@ def run_worker(job_files: list[str]) -> subprocess.CompletedProcess:
 Runner = Callable[[list[str]], subprocess.CompletedProcess]
 
 
-def run_jobs(jobs: list[dict], out: Path, shared_process: bool, log=print, parallel: int = 1,
+def _log_run(note: str) -> None:
+    print(f"[study] {note}", flush=True)
+
+
+class RunTally:
+    """The study's progress, fed one finished run at a time from the runner threads: a line with its result,
+    the runs done of `total` and the ETA (`revffn.progress`)."""
+
+    def __init__(self, bar, total: int):
+        self.bar, self.total, self.done, self.lock = bar, total, 0, threading.Lock()
+
+    def __call__(self, note: str) -> None:
+        with self.lock:
+            self.done += 1
+            self.bar(self.done, max(self.total, self.done), note)
+
+
+def run_jobs(jobs: list[dict], out: Path, shared_process: bool, log=_log_run, parallel: int = 1,
              runner: Runner | None = None) -> list[dict]:
     """Run jobs in fresh worker processes (one each, or one for all; `runner`, default `run_worker`),
-    `parallel` processes at a time; a failed job is an error row. Rows come back in job order."""
+    `parallel` processes at a time; a failed job is an error row. Rows come back in job order; `log(note)` is
+    called with each finished run's result."""
     from concurrent.futures import ThreadPoolExecutor
 
     runner = runner or run_worker
@@ -225,7 +245,7 @@ def _run_group(group: list[dict], out: Path, shared_process: bool, log, runner: 
         row["shared_process"] = shared_process
         results.append(row)
         em = row.get("test_exact_match")
-        log(f"[study] {job['name']}: " + (f"test EM {em:.2f}, retention {row['retention_loss']:.3f}, "
+        log(f"{job['name']}: " + (f"test EM {em:.2f}, retention {row['retention_loss']:.3f}, "
                                           f"{row['process_s']:.0f}s" if row["status"] == "ok" else row["error"]))
     return results
 
@@ -371,15 +391,19 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
                  gap_init=bool(_method(m).STUDY_GAP_VARIANTS) and t == plan.tasks[0])
             for t in plan.tasks for m in plan.methods for lr in plan.lr_grid[m]]
     grid[0]["measure_base"] = True
-    runs = run_jobs(grid, out, plan.shared_process, log, plan.jobs, runner)
-    chosen = {f"{m}/{t}": select_lr([r for r in runs if r["job"]["method"] == m and r["job"]["task"] == t])
-              for t in plan.tasks for m in plan.methods}
-    # 2. The other seeds at the chosen LR.
-    more = [_job(plan, out, m, t, s, chosen[f"{m}/{t}"], eval_val=False)
-            for t in plan.tasks for m in plan.methods for s in plan.seeds[1:]]
-    # 3. Conversion-gap variants other than the default (which ran in step 1).
-    gap_jobs, gap_names = gap_plan(plan, out, grid, chosen)
-    runs += run_jobs(more + gap_jobs, out, plan.shared_process, log, plan.jobs, runner)
+    seeds_left = len(plan.tasks) * len(plan.methods) * (len(plan.seeds) - 1)
+    with progress("study", "run", every=0, bar=False) as bar:
+        tally = RunTally(bar, len(grid) + seeds_left)  # + the gap variants, counted once the LRs are chosen
+        runs = run_jobs(grid, out, plan.shared_process, tally, plan.jobs, runner)
+        chosen = {f"{m}/{t}": select_lr([r for r in runs if r["job"]["method"] == m and r["job"]["task"] == t])
+                  for t in plan.tasks for m in plan.methods}
+        # 2. The other seeds at the chosen LR.
+        more = [_job(plan, out, m, t, s, chosen[f"{m}/{t}"], eval_val=False)
+                for t in plan.tasks for m in plan.methods for s in plan.seeds[1:]]
+        # 3. Conversion-gap variants other than the default (which ran in step 1).
+        gap_jobs, gap_names = gap_plan(plan, out, grid, chosen)
+        tally.total = len(grid) + len(more) + len(gap_jobs)
+        runs += run_jobs(more + gap_jobs, out, plan.shared_process, tally, plan.jobs, runner)
     base_loss = next((r["base_retention_loss"] for r in runs if r.get("base_retention_loss") is not None), None)
     base_probes = next((r["base_probe_accuracy"] for r in runs if r.get("base_probe_accuracy") is not None), None)
     return {

@@ -29,7 +29,7 @@ from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
 from revffn.methods.base import write_manifest
-from revffn.methods.conversion import calibrate_model, check_source, log_line, peak_rss_bytes, progress_bar
+from revffn.methods.conversion import calibrate_model, check_source, log_line, peak_rss_bytes
 from revffn.models.cache import check_replaceable
 from revffn.models.causal_lm import CausalLM
 from revffn.models.convert import STREAM_WIDTHS, convert
@@ -37,6 +37,7 @@ from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
 from revffn.models.presets import TINY_PRESETS
+from revffn.progress import progress
 from revffn.training.config import TrainConfig, load_config
 from revffn.training.evaluate import RETENTION_SET, retention_loss
 from revffn.training.step import build_run, train_step
@@ -236,7 +237,7 @@ def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_lo
         f"lr {lr:g}")
     t0, kls, tokens, curve = time.perf_counter(), [], 0, []
     every = max(1, min(50, spec.heal_steps // 10))  # a log line per tenth of the heal, at most every 50 steps
-    with progress_bar("heal", "step") as progress:
+    with progress("heal", "step", spec.heal_steps) as bar:
         for step in range(spec.heal_steps):
             result = train_step(run, step, [])
             kl = float(result.loss_sum) / max(result.n_tokens, 1)
@@ -245,7 +246,7 @@ def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_lo
                                 f"Fix: a lower --heal-lr (e.g. {lr / 4:g}), or --heal-lr auto.")
             kls.append(kl)
             tokens += result.n_tokens
-            progress(step + 1, spec.heal_steps)
+            bar(step + 1, spec.heal_steps, f"KL {kl:.3f}")
             if (step + 1) % every == 0:
                 log(f"heal step {step + 1}/{spec.heal_steps}: KL {sum(kls[-every:]) / every:.4f}")
             if measure is not None and ((step + 1) % spec.heal_eval_steps == 0 or step + 1 == spec.heal_steps):

@@ -19,6 +19,8 @@ import re
 
 import torch
 
+from revffn.progress import progress
+
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
 MATCHES = ("exact", "contains")  # `revffn eval --match`
 
@@ -46,8 +48,9 @@ def is_match(prediction: str, reference: str, match: str = "exact") -> bool:
 
 
 @torch.no_grad()
-def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast) -> float:
-    """Teacher-forced mean loss per predicted token over a tokenized dataset (used by train and eval)."""
+def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast, progress=None) -> float:
+    """Teacher-forced mean loss per predicted token over a tokenized dataset (used by train and eval);
+    `progress(batches done)` after each batch."""
     from revffn.data.collate import collate
 
     was_training = model.training
@@ -59,6 +62,8 @@ def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast) ->
             out = model(**batch, return_logits=False)
         total += out.loss_sum.float()
         count += out.n_tokens
+        if progress is not None:
+            progress(i // batch_size + 1)
     model.train(was_training)
     return (total / count.clamp(min=1)).item()
 
@@ -80,12 +85,17 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     model.eval()
     device = next(model.parameters()).device
     data = tokenize_dataset(examples, tokenizer, max_seq_length, False, "data")
-    loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext)
     scored = [e for e in examples if e.get("answer") is not None]
     if limit is not None:
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
-    preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device) if scored else []
+    n_loss = -(-len(data.items) // batch_size)
+    with progress("eval", "batch") as bar:  # the loss batches, then the generation batches
+        total = n_loss + -(-len(prompts) // batch_size)
+        loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,
+                         progress=lambda done: bar(done, total))
+        preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device,
+                               progress=lambda done: bar(n_loss + -(-done // batch_size), total)) if scored else []
     hits = [is_match(p, e["answer"], match) for p, e in zip(preds, scored)]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
             "match": match, "n_scored": len(hits), "n_examples": len(examples),
@@ -108,4 +118,7 @@ def retention_loss(model, tokenizer, data: str = RETENTION_SET, max_seq_length: 
 
     dataset = tokenize_dataset(load_examples(data, "retention data")[:limit], tokenizer, max_seq_length)
     device = next(model.parameters()).device
-    return eval_loss(model, dataset, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext)
+    total = -(-len(dataset.items) // batch_size)
+    with progress(f"loss on {data}", "batch", total) as bar:
+        return eval_loss(model, dataset, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,
+                         progress=lambda done: bar(done, total))

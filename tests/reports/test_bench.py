@@ -88,7 +88,7 @@ def test_parent_survives_killed_garbage_and_hanging_workers(tmp_path, monkeypatc
         "error"]
     assert rows["dora"]["status"] == "error" and "timed out" in rows["dora"]["error"]
     err = capsys.readouterr().err
-    assert "[2/4] revffn ... ok" in err and "[4/4] dora ... error" in err
+    assert "[2/4 runs, 50%] revffn ... ok" in err and "[4/4 runs, 100%] dora ... error" in err
     write_bench(data, tmp_path)
     md = bench_markdown(data)
     assert "Failed:" in md and all(f"| {m} | error |" in md for m in ("full", "lora", "dora"))
