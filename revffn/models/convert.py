@@ -44,7 +44,7 @@ from revffn.models.layout import (
 )
 from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.models.spec import ArchSpec, config_value, get_path
-from revffn.reversible.coupling import RevBlock, StackContext, run_stack
+from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
@@ -376,6 +376,7 @@ class RevFFNForCausalLM(nn.Module):
             else aux_loss_coef
         self.chunk_tokens = chunk_tokens
         self.recompute_chunk_tokens = 0
+        self.partial_gradients = PartialGradients()  # every forward's StackContext.partial; InBackward reads it
         self.debug = DebugOptions()
         self.last_stack_stats: dict = {}
         layers = get_path(hf_model, spec.layers)
@@ -463,7 +464,7 @@ class RevFFNForCausalLM(nn.Module):
             aux = SwitchAux(self.num_experts, self.top_k, row_mask,
                             differentiable=self.router_trainable() and torch.is_grad_enabled())
         return StackContext(position_embeddings, masks, AutocastState.capture(embeds.device), aux,
-                            per_layer_position=self.rope.per_layer, cache=cache)
+                            per_layer_position=self.rope.per_layer, cache=cache, partial=self.partial_gradients)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool = True, probe=None,

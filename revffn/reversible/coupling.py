@@ -42,6 +42,30 @@ from revffn.reversible.replay import (
 )
 
 
+class PartialGradients:
+    """Whether the gradients being accumulated into `.grad` are partial: raised while a chunked recompute
+    (`RevBlock`'s chunked G) adds a chunk that more chunks of the same backward will add to.
+
+    One per model (`RevFFNForCausalLM.partial_gradients`), handed to each forward's `StackContext` and to
+    what acts on a complete gradient: the optimizer stepped in backward (`training.optim.InBackward`) skips
+    a parameter's hook while `active()`, and steps it on the last chunk.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def open(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def active(self) -> bool:
+        return self.depth > 0
+
+
 @dataclass
 class StackContext:
     """What every sub-block needs besides its stream: shared by all layers of one forward.
@@ -65,6 +89,7 @@ class StackContext:
     probe: Callable | None = None  # probe(layer_idx, X_1, X_2): sees every layer's inputs
     recompute_chunk_tokens: int = 0  # rows (of B*T) per chunk of a token-wise G's backward recompute; 0: whole
     cache: object | None = None  # a transformers Cache the token mixers extend (incremental decoding; plain twin only)
+    partial: PartialGradients = field(default_factory=PartialGradients)  # raised by a chunked G's backward
     # filled by RevStackFunction: record_bytes (choice indices, router top-k included), rng_bytes,
     # rng_sub_blocks [(layer_idx, "F"|"G")], record_storages (choices and RNG: to exclude from
     # activation counts), routing_flips (choices the rebuilt input would have changed),
@@ -100,25 +125,6 @@ class StackContext:
         position_embeddings, masks = tree_unflatten(list(tensors[: len(leaves)]), spec)
         aux = self.aux.with_tensors(tensors[len(leaves) :]) if self.aux is not None else None
         return replace(self, position_embeddings=position_embeddings, masks=masks, aux=aux)
-
-
-_PARTIAL_GRADIENTS = [0]  # > 0 while a chunked recompute accumulates gradients that more chunks will add to
-
-
-@contextlib.contextmanager
-def partial_gradients():
-    """Inside, gradients accumulated into `.grad` are partial: more chunks of the same backward follow
-    (`RevBlock`'s chunked G). A hook that acts on a complete gradient (the optimizer step in backward,
-    `training.optim.InBackward`) waits for the last chunk (`gradients_partial()`)."""
-    _PARTIAL_GRADIENTS[0] += 1
-    try:
-        yield
-    finally:
-        _PARTIAL_GRADIENTS[0] -= 1
-
-
-def gradients_partial() -> bool:
-    return _PARTIAL_GRADIENTS[0] > 0
 
 
 class RevBlock(nn.Module):
@@ -199,7 +205,7 @@ class RevBlock(nn.Module):
         g_rows, dY_1_rows = torch.empty_like(Y_rows), torch.empty_like(Y_rows)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
         for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
-            with partial_gradients() if i + 1 < len(spans) else contextlib.nullcontext():
+            with sctx.partial.open() if i + 1 < len(spans) else contextlib.nullcontext():
                 g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
                                             record.rows(rows), d_aux)
             g_rows[rows], dY_1_rows[rows] = g[0], grad[0]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from revffn.errors import UserError
-from revffn.reversible.coupling import gradients_partial
+from revffn.reversible.coupling import PartialGradients
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
 TORCHAO = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
@@ -119,12 +119,14 @@ def _optimizer_class(cfg):
     return torch.optim.AdamW, adam
 
 
-def build_optimizer(cfg, params: list[nn.Parameter]):
+def build_optimizer(cfg, params: list[nn.Parameter], partial: PartialGradients | None = None):
     """The run's optimizer (the loop sets each step's LR from the schedule): one over every parameter,
-    `InBackward` (one per parameter, stepped by gradient hooks), or torchao's CPU offload wrapper."""
+    `InBackward` (one per parameter, stepped by gradient hooks; `partial`: the model's chunked-recompute flag),
+    or torchao's CPU offload wrapper."""
     cls, kwargs = _optimizer_class(cfg)
     if cfg.optimizer_in_backward and cfg.optimizer_offload != "cpu":
-        return InBackward(params, cls, dict(kwargs, lr=cfg.learning_rate), cfg.weight_decay, cfg.max_grad_norm)
+        return InBackward(params, cls, dict(kwargs, lr=cfg.learning_rate), cfg.weight_decay, cfg.max_grad_norm,
+                          partial)
     groups = decay_groups(params, cfg.weight_decay)
     if cfg.optimizer_offload == "cpu":
         return _torchao_optim().CPUOffloadOptimizer(groups, cls, offload_gradients=True, lr=cfg.learning_rate,
@@ -143,8 +145,10 @@ class InBackward:
     `grad_norm()`: the global norm of the gradients seen since the last call, before clipping.
     """
 
-    def __init__(self, params: list[nn.Parameter], cls, kwargs: dict, weight_decay: float, max_grad_norm: float):
+    def __init__(self, params: list[nn.Parameter], cls, kwargs: dict, weight_decay: float, max_grad_norm: float,
+                 partial: PartialGradients | None = None):
         self.params = list(params)
+        self.partial = partial if partial is not None else PartialGradients()  # never raised: no chunked recompute
         self.optimizers = [cls([{"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0}], **kwargs)
                            for p in self.params]
         total = sum(p.numel() for p in self.params)
@@ -159,7 +163,7 @@ class InBackward:
         def step(p: torch.Tensor) -> None:
             # None: RevFFN's stack Function hands its parameters an undefined gradient after its backward
             # already stepped and freed them block by block; partial: a chunked recompute has more to add
-            if p.grad is None or gradients_partial():
+            if p.grad is None or self.partial.active():
                 return
             norm = p.grad.detach().float().norm()
             self.largest_grad_bytes = max(self.largest_grad_bytes, p.grad.numel() * p.grad.element_size())
