@@ -7,9 +7,13 @@ schema and every method's `SCHEMA`.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
+import operator
 import reprlib
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from revffn.errors import closest
@@ -90,3 +94,38 @@ def _type_names(types) -> str:
     names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null",
              dict: "a mapping"}
     return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def annotation(key: Key):
+    """The Python type a key's value has once validated: `Key(int, ...)` -> int, `Key((str, NoneType))` -> str | None."""
+    types = key.type if isinstance(key.type, tuple) else (key.type,)
+    return functools.reduce(operator.or_, types)
+
+
+@dataclass(frozen=True)
+class Record(Mapping):
+    """A validated set of key values, typed and frozen: read as attributes (`opts.stream_width`) or, for code
+    that iterates or unpacks them, as a read-only mapping (`opts["stream_width"]`, `dict(opts)`, `**opts`).
+    A changed copy is `opts.replace(key=value)`. Subclasses are made from a schema by `record_type`."""
+
+    def __getitem__(self, name: str):
+        if name not in self.__dataclass_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(f.name for f in fields(self))
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+    def replace(self, **changes):
+        return replace(self, **changes)
+
+
+def record_type(name: str, schema: dict[str, Key], base: type = Record, extra: list | None = None) -> type:
+    """A frozen dataclass with one typed field per key of `schema`, each defaulting to the key's default
+    (copied, so a dict default is never shared), then `extra` fields (`make_dataclass` specs)."""
+    specs = [(k, annotation(key), field(default_factory=functools.partial(copy.deepcopy, key.default)))
+             for k, key in schema.items()]
+    return make_dataclass(name, specs + list(extra or []), bases=(base,), frozen=True)

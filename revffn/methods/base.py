@@ -19,7 +19,7 @@ from typing import ClassVar
 from torch import nn
 
 from revffn.memory.estimate import MemoryContext, MemoryTerms
-from revffn.schema import Key
+from revffn.schema import Key, Record, record_type
 
 
 class Method:
@@ -58,7 +58,14 @@ class Method:
     resuming: bool = False
 
     def __init__(self, cfg):
-        self.cfg, self.opts = cfg, cfg.section(self.name)
+        self.cfg, self.opts = cfg, cfg.options(self.name)  # typed and frozen: opts.replace(key=value) for a copy
+
+    @classmethod
+    def options_type(cls) -> type[Record]:
+        """The frozen dataclass of this method's options, one typed field per `SCHEMA` key (made once a class)."""
+        if "_options_type" not in cls.__dict__:
+            cls._options_type = record_type(f"{cls.__name__.removesuffix('Method')}Options", cls.SCHEMA)
+        return cls._options_type
 
     @classmethod
     def validate(cls, cfg) -> None:

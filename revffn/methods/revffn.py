@@ -108,7 +108,7 @@ class RevFFNMethod(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.opts["adapter_warmup_steps"] = self.warmup_steps(self.opts, cfg.max_steps)
+        self.opts = self.opts.replace(adapter_warmup_steps=self.warmup_steps(self.opts, cfg.max_steps))
 
     @staticmethod
     def warmup_steps(opts: dict, max_steps: int) -> int:

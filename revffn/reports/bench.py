@@ -442,5 +442,4 @@ def train_config(args: dict):
                  *args.get("set", [])]
     cfg = load_config(None, overrides)
     user = parse_overrides(list(args.get("set", []))).get("model_config", {})
-    cfg.values["model_config"] = {**args.get("model_config", {}), **(user if isinstance(user, dict) else {})}
-    return cfg
+    return cfg.replace(model_config={**args.get("model_config", {}), **(user if isinstance(user, dict) else {})})

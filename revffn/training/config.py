@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from revffn.errors import UserError, closest
-from revffn.schema import SHOWN_CHARS, Key, check_value, coerce, shown
+from revffn.schema import SHOWN_CHARS, Key, Record, check_value, coerce, record_type, shown
 from revffn.training.trackers import TRACKERS
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.yaml"
@@ -110,25 +110,33 @@ accumulation may then change with the number of processes), else per_device_trai
 gradient_accumulation_steps; the number of processes itself may change (docs/multi_gpu.md)."""
 
 
-@dataclass
-class TrainConfig:
-    """A validated config: `values` for the top-level keys, `sections` for method options."""
+@dataclass(frozen=True)
+class _ConfigRecord(Record):
+    """What a `TrainConfig` is beyond its keys: the method sections (each a typed, frozen options record of
+    the method's own `SCHEMA`, `Method.options_type`) and the file it was read from."""
 
-    values: dict
-    sections: dict = field(default_factory=dict)
-    source: str = "<defaults>"
+    @property
+    def values(self) -> dict:
+        """The top-level keys as a new dict (changing it changes nothing: use `cfg.replace(key=value)`)."""
+        return {k: getattr(self, k) for k in SCHEMA}
 
-    def __getattr__(self, name):
-        values = self.__dict__.get("values", {})
-        if name in values:
-            return values[name]
-        raise AttributeError(name)
+    def options(self, name: str) -> Record:
+        """Method `name`'s options, typed and frozen (an empty record for a method without options)."""
+        return self.sections.get(name) or Record()
 
     def section(self, name: str) -> dict:
-        return dict(self.sections.get(name, {}))
+        """Method `name`'s options as a new dict."""
+        return dict(self.options(name))
 
     def to_dict(self) -> dict:
         return {**self.values, **{k: dict(v) for k, v in self.sections.items()}}
+
+
+TrainConfig = record_type("TrainConfig", SCHEMA, _ConfigRecord, extra=[
+    ("sections", dict, field(default_factory=dict)), ("source", str, field(default="<defaults>"))])
+TrainConfig.__doc__ = """A validated training config, built once by `load_config`: one typed, frozen field per
+`SCHEMA` key (`cfg.max_steps`), `sections` {method: its options record}, `source` (the YAML file).
+A changed copy is `cfg.replace(key=value)`."""
 
 
 MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value those checkpoints were trained with
@@ -344,7 +352,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     if problems:
         head = f"{len(problems)} problem{'s' * (len(problems) > 1)} in the config:\n  - " if len(problems) > 1 else ""
         raise UserError(head + "\n  - ".join(problems))
-    cfg = TrainConfig(values, sections, str(src))
+    sections = {name: METHODS[name].options_type()(**sec) for name, sec in sections.items()}
+    cfg = TrainConfig(**values, sections=sections, source=str(src))
     if isinstance(method, str) and method in METHODS:
         METHODS[method].validate(cfg)
     return cfg

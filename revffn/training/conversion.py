@@ -38,7 +38,7 @@ from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
 from revffn.models.presets import TINY_PRESETS
 from revffn.progress import progress
-from revffn.training.config import TrainConfig, load_config
+from revffn.training.config import load_config
 from revffn.training.evaluate import RETENTION_SET, retention_loss
 from revffn.training.step import build_run, train_step
 
@@ -208,7 +208,7 @@ def probe_heal_lr(run) -> dict:
 
 def set_peak_lr(run, lr: float) -> None:
     """Make `lr` the run's peak LR (its schedule is a pure function of the config: `schedule.lr_at`)."""
-    run.cfg = TrainConfig({**run.cfg.values, "learning_rate": lr}, run.cfg.sections, run.cfg.source)
+    run.cfg = run.cfg.replace(learning_rate=lr)
 
 
 HEAL_TARGET = 0.2

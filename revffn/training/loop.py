@@ -57,7 +57,7 @@ from revffn.training.checkpoint import (
     save_checkpoint,
     state_bytes,
 )
-from revffn.training.config import TrainConfig, math_config
+from revffn.training.config import math_config
 from revffn.training.evaluate import eval_loss
 from revffn.training.parallel import (
     CollectiveTimeout,
@@ -124,7 +124,7 @@ class Recipe:
         cfg, plan = self.cfg, self.plan
         self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
                              model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed,
-                             resuming=plan.resume_from is not None)
+                             resuming=plan.resume_from is not None, method_cls=plan.method)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
         self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
         self.order = DataOrder(len(plan.train_set.items), cfg.seed)
@@ -431,7 +431,7 @@ def _run(cfg, fault: Fault | None) -> dict:
                 if restarts >= cfg.max_restarts:
                     raise
                 restarts, error = restarts + 1, f"{type(e).__name__}: {e}"
-                cfg = TrainConfig(dict(cfg.values, **restart_values(cfg)), cfg.sections, cfg.source)
+                cfg = cfg.replace(**restart_values(cfg))
                 if held is None:  # the attempt that held the directory is gone: hold it from here on, so no other
                     held = RunLock(Path(cfg.output_dir)).acquire()  # process starts there between the attempts
     finally:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.memory.estimate import FSDP_OPTIMIZERS
-from revffn.methods import method_class
+from revffn.methods import Method, method_class
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -47,7 +47,7 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def pick_distributed(cfg) -> str:
+def pick_distributed(cfg, method: type[Method] | None = None) -> str:
     """"none", "ddp" or "fsdp": the `distributed` key, `auto` read from torchrun's environment (DDP
     when WORLD_SIZE > 1). Refuses what the strategy cannot run exactly: a method not built for it
     (`Method.DISTRIBUTED`), parameters stepped in backward (the hooks would step before the
@@ -66,14 +66,14 @@ def pick_distributed(cfg) -> str:
     mode = "ddp" if cfg.distributed == "auto" and world > 1 else cfg.distributed
     if mode not in STRATEGIES:
         return "none"
-    check_strategy(cfg, mode)
+    check_strategy(cfg, mode, method)
     return mode
 
 
-def check_strategy(cfg, mode: str) -> None:
+def check_strategy(cfg, mode: str, method: type[Method] | None = None) -> None:
     """Refuse (UserError) a config that `mode` ("ddp" or "fsdp") cannot run exactly; `pick_distributed`
     and the bench (`--nproc`, before it launches anything) ask the same questions."""
-    method = method_class(cfg.method)
+    method = method or method_class(cfg.method)
     if mode not in method.DISTRIBUTED:
         ok = " or ".join(method.DISTRIBUTED) or "no strategy"
         raise UserError(f"distributed: {mode} cannot train method {cfg.method!r} ({method.DISTRIBUTED_NOTE}); it runs "

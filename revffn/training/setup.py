@@ -25,7 +25,7 @@ import yaml
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
-from revffn.models.loading import check_model_ref, is_converted
+from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, math_config
@@ -50,6 +50,8 @@ class RunPlan:
     eval_set: object | None
     distributed: str = "none"  # "none" | "ddp" | "fsdp" (`parallel.pick_distributed`)
     rejected: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed verification
+    method: type | None = None  # the method's class (`method_class(cfg.method)`), looked up once
+    model_dir: str | None = None  # where `cfg.model` resolved (configs and tokenizer; None: a tiny preset)
 
 
 RUN_MARKER = ".revffn-run"  # written when a run starts: what `overwrite=true` may clear is a revffn run's
@@ -215,8 +217,6 @@ def resolve_launch(cfg):
     number of processes; a job torchrun restarted (`--max-restarts`, TORCHELASTIC_RESTART_COUNT > 0)
     resumes from the last complete checkpoint, or starts over where there is none, as an in-process
     restart does (`max_restarts`)."""
-    from revffn.training.config import TrainConfig
-
     values, world = dict(cfg.values), launched_world()
     if cfg.global_batch_size is not None:
         per_step = cfg.per_device_train_batch_size * world
@@ -231,7 +231,7 @@ def resolve_launch(cfg):
         values["gradient_accumulation_steps"] = cfg.global_batch_size // per_step
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and cfg.resume is False:
         values.update(restart_values(cfg))
-    return cfg if values == cfg.values else TrainConfig(values, cfg.sections, cfg.source)
+    return cfg if values == cfg.values else cfg.replace(**values)
 
 
 def restart_values(cfg) -> dict:
@@ -266,11 +266,11 @@ def pick_device(cfg) -> tuple[torch.device, torch.dtype, torch.dtype | None]:
     return device, weights, autocast
 
 
-def check_converted(cfg) -> None:
+def check_converted(cfg, method) -> None:
     """A converted model directory (`revffn convert`) trains only with a method that accepts it as it is."""
-    from revffn.methods import METHODS, method_class
+    from revffn.methods import METHODS
 
-    if is_converted(cfg.model) and not method_class(cfg.method).ACCEPTS_CONVERTED:
+    if is_converted(cfg.model) and not method.ACCEPTS_CONVERTED:
         ok = ", ".join(n for n, m in METHODS.items() if m.ACCEPTS_CONVERTED)
         raise UserError(f"model: {cfg.model!r} holds a model already converted to RevFFN; method {cfg.method!r} "
                         f"trains unconverted HF models. Fix: method={ok}, or point model at the unconverted base.")
@@ -283,15 +283,17 @@ def prepare_run(cfg) -> RunPlan:
     from revffn.data.tokenizer import model_tokenizer
 
     check_model_ref(cfg.model)
-    check_converted(cfg)
+    method = method_class(cfg.method)
+    check_converted(cfg, method)
     run_dir = Path(cfg.output_dir)
     device, weights, autocast = pick_device(cfg)
     resume_from, rejected = resolve_resume(cfg, run_dir, weights, hash_files=launched_world() <= 1)
-    distributed = pick_distributed(cfg)
+    distributed = pick_distributed(cfg, method)
     check_resume_target(cfg, run_dir, resume_from, distributed)
     check_trackers(cfg)
-    check_optimizer(cfg, device, weights, method_class(cfg.method))
-    tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
+    check_optimizer(cfg, device, weights, method)
+    model_dir = None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model, weights=False)
+    tokenizer = model_tokenizer(model_dir or cfg.model, cfg.tokenizer)
     train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
     step_rows = cfg.per_device_train_batch_size * launched_world() * cfg.gradient_accumulation_steps
     if step_rows > len(train_set.items):
@@ -304,7 +306,7 @@ def prepare_run(cfg) -> RunPlan:
         eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,
                                     "eval_data")
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
-                   rejected)
+                   rejected, method, model_dir)
 
 
 def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:

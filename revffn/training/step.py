@@ -48,6 +48,7 @@ from torch import nn
 from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
 from revffn.models.loading import load_hf
+from revffn.training.config import TrainConfig
 from revffn.training.optim import InBackward, build_optimizer, set_lr
 from revffn.training.parallel import DDPModel, shard_model, unshard_root
 from revffn.training.schedule import lr_at
@@ -57,7 +58,7 @@ from revffn.training.schedule import lr_at
 class Run:
     """What one training run steps."""
 
-    cfg: object  # the validated TrainConfig
+    cfg: TrainConfig
     method: Method
     hf: nn.Module  # the HF model `method.prepare` was given (its config: the geometry)
     model: nn.Module  # the prepared model, in train mode, on `device`
@@ -87,7 +88,8 @@ class StepResult:
 
 def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.float32,
               autocast_dtype: torch.dtype | None = None, hf: nn.Module | None = None,
-              model_config: dict | None = None, strategy: str | None = None, resuming: bool = False) -> Run:
+              model_config: dict | None = None, strategy: str | None = None, resuming: bool = False,
+              method_cls: type[Method] | None = None) -> Run:
     """Seed, build the HF model (unless given), prepare it with the method, build the optimizer.
 
     Args:
@@ -97,6 +99,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
         strategy: "none", "ddp" or "fsdp" (`parallel.pick_distributed`); None: ddp when a process
             group is up, else none.
         resuming: a checkpoint is loaded next (`Method.resuming`: RevFFN does not calibrate).
+        method_cls: the method's class when already looked up (`RunPlan.method`); None: `method_class(cfg.method)`.
     """
     torch.manual_seed(cfg.seed)
     if hf is None:
@@ -104,7 +107,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
         hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
     if strategy is None:
         strategy = "ddp" if torch.distributed.is_available() and torch.distributed.is_initialized() else "none"
-    method = method_class(cfg.method)(cfg)
+    method = (method_cls or method_class(cfg.method))(cfg)
     method.resuming = resuming
     model = method.prepare(hf)
     if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device

@@ -1,0 +1,45 @@
+"""The typed, frozen config: `load_config` builds it once from SCHEMA and each method's SCHEMA; nothing
+downstream edits it in place (a changed copy is `replace`), and every field has the type its key declares."""
+
+import dataclasses
+
+import pytest
+
+from revffn.methods import METHODS
+from revffn.schema import Record, annotation
+from revffn.training.config import SCHEMA, TrainConfig, load_config
+
+
+def test_every_key_is_a_typed_field_and_the_config_is_frozen():
+    cfg = load_config(None, ["max_steps=17", "revffn.stream_width=half"])
+    hints = TrainConfig.__annotations__
+    assert {f.name for f in dataclasses.fields(cfg)} == set(SCHEMA) | {"sections", "source"}
+    assert all(hints[k] == annotation(key) for k, key in SCHEMA.items())
+    assert cfg.max_steps == 17 and isinstance(cfg.max_steps, int)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_steps = 8
+    later = cfg.replace(max_steps=18)
+    assert (later.max_steps, cfg.max_steps) == (18, 17)
+    cfg.values["max_steps"] = 19  # a copy: the config does not change
+    assert cfg.max_steps == 17
+
+
+def test_method_options_are_records_of_their_own_schema():
+    cfg = load_config(None, ["revffn.stream_width=half", "lora.r=4"])
+    opts = cfg.options("revffn")
+    assert isinstance(opts, Record) and type(opts) is METHODS["revffn"].options_type()
+    assert opts.stream_width == "half" and opts["stream_width"] == "half" and dict(opts)["stream_width"] == "half"
+    assert set(opts) == set(METHODS["revffn"].SCHEMA)
+    assert cfg.options("lora").r == 4 and cfg.section("lora")["r"] == 4
+    assert set(cfg.options("full")) == set(METHODS["full"].SCHEMA)
+    assert len(cfg.options("no-such-method")) == 0  # a method without options: an empty record
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.stream_width = "full"
+    assert opts.replace(stream_width="full").stream_width == "full" and opts.stream_width == "half"
+
+
+def test_a_method_instance_holds_the_typed_options():
+    cfg = load_config(None, ["revffn.adapter_warmup_ratio=0.5", "max_steps=10"])
+    method = METHODS["revffn"](cfg)
+    assert method.opts.adapter_warmup_steps == 5  # derived once, on a copy
+    assert cfg.options("revffn").adapter_warmup_steps != 5 or cfg.options("revffn").adapter_warmup_ratio is None
