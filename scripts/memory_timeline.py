@@ -2,6 +2,7 @@
 
     python scripts/memory_timeline.py --method revffn --seq 512                 # the bench's act-heavy profile
     python scripts/memory_timeline.py --method ckpt --seq 2048 --set optimizer_in_backward=true
+    python scripts/memory_timeline.py --out docs/memory_timeline.json           # the page's set, a process each
 
 Builds the bench's model (tiny-qwen2-moe, 16 layers, hidden 256, batch 4, fp32, CPU, one thread) with the bench's
 own `train_config` / `build_run` / `train_step`, takes one step to settle the optimizer state, profiles the next
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -51,13 +55,30 @@ def timeline(method: str, seq: int, overrides: list[str], layers: int = 16, hidd
             "trainable_params": sum(p.numel() for p in run.params)}
 
 
+# docs/benchmarks.md's set: revffn's checkpointing, RevFFN, and both with the optimizer stepped in backward (RevFFN's
+# adapters start from the coordinate init: the same tensors as a calibrated start, without the calibration's minutes)
+PAGE_SET = [("ckpt", []), ("revffn", ["revffn.adapter_init=coordinate"]),
+            ("ckpt", ["optimizer_in_backward=true"]),
+            ("revffn", ["revffn.adapter_init=coordinate", "optimizer_in_backward=true"])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", default="revffn")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--out", help="run PAGE_SET at --seq, a fresh process each, and write the JSON list here")
     args = ap.parse_args()
-    print(json.dumps(timeline(args.method, args.seq, args.set)))
+    if not args.out:
+        print(json.dumps(timeline(args.method, args.seq, args.set)))
+        return
+    rows = []
+    for method, extra in PAGE_SET:
+        cmd = [sys.executable, __file__, "--method", method, "--seq", str(args.seq)] + [f"--set={x}" for x in extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

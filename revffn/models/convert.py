@@ -131,9 +131,8 @@ class HFRevBlock(RevBlock):
     The skips (`skip=True`; `revffn.adapter_skip`) are (half) d/2 x d/2 linear maps, one per branch. F still
     depends on X_2 alone and G on Y_1 alone, so the block stays exactly invertible. They give back the
     residual path the split cuts: without them X_1 only ever receives attention outputs and X_2 only
-    MoE outputs, so neither half can carry the other branch's update to the next layer (calibrated on
-    `builtin:base`, the relative residual of P_down_attn is 0.62-0.78 without them, 0.06-0.37 with
-    them; docs/conversion.md).
+    MoE outputs, so neither half can carry the other branch's update to the next layer (the calibration
+    residuals with and without them: docs/conversion.md).
 
     A layer whose token mixer is one of `spec.mixers` (linear attention, SSM, convolution) takes the
     2-D padding mask, under the `linear_attention` mask key, as in HF.

@@ -81,8 +81,8 @@ class StudyBase:
 # (0 of 30 test examples exact on commas, format, gsm and the reversal task), LRs an order below the toy's,
 # forgetting on the Python manual's held-out text and on the 76 facts the model answers. RevFFN starts from
 # the conversion calibrated on the manual's other pages (docs/conversion.md's best calibrated variant: the
-# same domain as the retention text, which favours RevFFN's retention figure; `self` text is +2.4 nats)
-# and trains everything from step 1 (a heal costs 12-24 s a step on 2 CPU cores).
+# same domain as the retention text, which favours RevFFN's retention figure; `self` text loses far more)
+# and trains everything from step 1 (a heal step of the real model on 2 CPU cores: docs/conversion.md).
 REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-5, 3e-5),
                 "lora": (3e-4, 1e-3), "dora": (3e-4, 1e-3), "refta": (3e-4, 1e-3)}
 REAL_CONVERT = ("--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens", "16384")

@@ -245,9 +245,9 @@ def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tupl
     """`sub_block(x, sctx)`; with a list `records`, append its `SubBlockRecord`: the indices of the
     choices it made (`recording_choices`) and its RNG record (`RNGState.used_since`).
 
-    Watching the RNG costs two reads of the generator state and one comparison per sub-block: ~10 us
-    on CPU (the 5 KB mt19937 state, measured), far below any sub-block's own time; the CUDA state
-    adds 16 bytes, read on the host without a device sync. Recording choices routes every torch call
+    Watching the RNG costs two reads of the generator state and one comparison per sub-block (the CPU
+    generator's mt19937 state, and the CUDA state, read on the host without a device sync): far below any
+    sub-block's own time (docs/engine.md). Recording choices routes every torch call
     of the sub-block through one Python dict lookup (`_Choice.of`).
     """
     if records is None:
