@@ -123,9 +123,13 @@ class Record(Mapping):
         return replace(self, **changes)
 
 
-def record_type(name: str, schema: dict[str, Key], base: type = Record, extra: list | None = None) -> type:
+def record_type(name: str, schema: dict[str, Key], base: type = Record, extra: list | None = None,
+                module: str | None = None, qualname: str | None = None) -> type:
     """A frozen dataclass with one typed field per key of `schema`, each defaulting to the key's default
-    (copied, so a dict default is never shared), then `extra` fields (`make_dataclass` specs)."""
+    (copied, so a dict default is never shared), then `extra` fields (`make_dataclass` specs). `module` and
+    `qualname` say where the class is reachable, so that its instances pickle (a config crosses processes)."""
     specs = [(k, annotation(key), field(default_factory=functools.partial(copy.deepcopy, key.default)))
              for k, key in schema.items()]
-    return make_dataclass(name, specs + list(extra or []), bases=(base,), frozen=True)
+    cls = make_dataclass(name, specs + list(extra or []), bases=(base,), frozen=True)
+    cls.__module__, cls.__qualname__ = module or cls.__module__, qualname or name
+    return cls

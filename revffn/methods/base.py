@@ -29,6 +29,7 @@ class Method:
 
     name: ClassVar[str]
     SCHEMA: ClassVar[dict[str, Key]] = {}  # option name -> Key, under the YAML section `name:`
+    Options: ClassVar[type[Record]] = Record  # each subclass's own, made from its SCHEMA (`__init_subclass__`)
     # memory estimate: option name -> Key (beyond `revffn.memory.estimate.COMMON_OPTIONS`)
     # the estimator's view of the method: the SCHEMA keys it reads, under their own names (declared once, in
     # SCHEMA), and options only the estimator has (`ESTIMATE_OPTIONS`, e.g. revffn's `stage`)
@@ -60,12 +61,16 @@ class Method:
     def __init__(self, cfg):
         self.cfg, self.opts = cfg, cfg.options(self.name)  # typed and frozen: opts.replace(key=value) for a copy
 
+    def __init_subclass__(cls, **kwargs):
+        """Each method class gets `Options`: the frozen dataclass of its options, one typed field per `SCHEMA` key."""
+        super().__init_subclass__(**kwargs)
+        cls.Options = record_type(f"{cls.__name__.removesuffix('Method')}Options", cls.SCHEMA,
+                                  module=cls.__module__, qualname=f"{cls.__qualname__}.Options")
+
     @classmethod
     def options_type(cls) -> type[Record]:
-        """The frozen dataclass of this method's options, one typed field per `SCHEMA` key (made once a class)."""
-        if "_options_type" not in cls.__dict__:
-            cls._options_type = record_type(f"{cls.__name__.removesuffix('Method')}Options", cls.SCHEMA)
-        return cls._options_type
+        """`cls.Options`: the typed, frozen record of this method's options."""
+        return cls.Options
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -133,7 +133,7 @@ class _ConfigRecord(Record):
 
 
 TrainConfig = record_type("TrainConfig", SCHEMA, _ConfigRecord, extra=[
-    ("sections", dict, field(default_factory=dict)), ("source", str, field(default="<defaults>"))])
+    ("sections", dict, field(default_factory=dict)), ("source", str, field(default="<defaults>"))], module=__name__)
 TrainConfig.__doc__ = """A validated training config, built once by `load_config`: one typed, frozen field per
 `SCHEMA` key (`cfg.max_steps`), `sections` {method: its options record}, `source` (the YAML file).
 A changed copy is `cfg.replace(key=value)`."""

@@ -2,6 +2,7 @@
 downstream edits it in place (a changed copy is `replace`), and every field has the type its key declares."""
 
 import dataclasses
+import pickle
 
 import pytest
 
@@ -43,3 +44,10 @@ def test_a_method_instance_holds_the_typed_options():
     method = METHODS["revffn"](cfg)
     assert method.opts.adapter_warmup_steps == 5  # derived once, on a copy
     assert cfg.options("revffn").adapter_warmup_steps != 5 or cfg.options("revffn").adapter_warmup_ratio is None
+
+
+def test_the_config_crosses_processes():
+    """A restart runs in a child process and a worker gets its config: it pickles, options records included."""
+    cfg = load_config(None, ["revffn.stream_width=half"])
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and type(again.options("revffn")) is METHODS["revffn"].Options
