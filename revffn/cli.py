@@ -281,7 +281,7 @@ def cmd_train(args) -> int:
     except Stalled as e:  # the last attempt under max_restarts; without it the watchdog exits 3 itself
         print(f"revffn train: stalled: {e}", file=sys.stderr)
         return STALL_EXIT
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
+    if summary.get("main", True):  # under torchrun, rank 0 alone says it
         print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
               f"report in {cfg.output_dir}/report.md")
     return 0

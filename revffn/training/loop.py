@@ -315,7 +315,7 @@ def agree_on_lock(held: bool, error: str = "") -> None:
 
 
 def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
-    summary: dict = {"status": "running", "restarts": restarts}
+    summary: dict = {"status": "running", "restarts": restarts, "main": main}  # main: the process that reports
     recipe = Recipe(cfg, plan, fault, restarts)
     try:
         recipe.setup()
