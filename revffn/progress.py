@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
-from typing import Callable, TextIO
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 EVERY_S = 10.0
 

@@ -97,7 +97,7 @@ def _type_names(types) -> str:
 
 
 def annotation(key: Key):
-    """The Python type a key's value has once validated: `Key(int, ...)` -> int, `Key((str, NoneType))` -> str | None."""
+    """The Python type of a key's validated value: `Key(int, ...)` -> int, `Key((str, NoneType))` -> str | None."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
     return functools.reduce(operator.or_, types)
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 from torch import nn
 
+from revffn.archs.architectures import spec_for
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
 from revffn.methods.base import Method, write_manifest
-from revffn.models.architectures import spec_for
 from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from revffn.archs.spec import get_path
 from revffn.data.calibration import SELF
 from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
@@ -38,7 +39,6 @@ from revffn.models.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalL
 from revffn.models.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.models.hf_remote import save_converted
 from revffn.models.loss import distill_kl
-from revffn.models.spec import get_path
 from revffn.models.teacher import student_hidden, teacher_hidden
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key

@@ -11,11 +11,11 @@ import contextlib
 import torch
 from torch import nn
 
-from revffn.models.architectures import spec_for
+from revffn.archs.architectures import spec_for
+from revffn.archs.layout import logits_transform
+from revffn.archs.spec import get_path
 from revffn.models.convert import RevFFNOutput
-from revffn.models.layout import logits_transform
 from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
-from revffn.models.spec import get_path
 from revffn.reversible.replay import RouterTap
 
 

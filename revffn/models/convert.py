@@ -8,7 +8,7 @@ Every decoder layer becomes an `HFRevBlock` on two streams (X_1, X_2). At the pa
 
 The pretrained norms, attention (RoPE, causal and padding masks) and MoE block (router, experts,
 shared expert) run unchanged at full width d; the spec names them where they differ (post-norms,
-a hybrid stack's other token mixers, branch multipliers: `models.layout`), and `convert` refuses
+a hybrid stack's other token mixers, branch multipliers: `archs.layout`), and `convert` refuses
 a model with anything the spec does not use. Only the projection adapters P_up (d/2 -> d) and
 P_down (d -> d/2) are new. The HF decoder layer stays reachable as `block.base_layer` (as PEFT
 keeps `base_layer`), in place inside the HF model, so its parameter names only gain `base_layer.`.
@@ -32,9 +32,8 @@ import torch
 from torch import nn
 from transformers import masking_utils
 
-from revffn.errors import UserError
-from revffn.models.architectures import spec_for
-from revffn.models.layout import (
+from revffn.archs.architectures import spec_for
+from revffn.archs.layout import (
     CACHE_KWARGS,
     attn_branch,
     cache_kwarg,
@@ -42,8 +41,9 @@ from revffn.models.layout import (
     logits_transform,
     mlp_branch,
 )
+from revffn.archs.spec import ArchSpec, config_value, get_path
+from revffn.errors import UserError
 from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
-from revffn.models.spec import ArchSpec, config_value, get_path
 from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 

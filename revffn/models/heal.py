@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from revffn.models.spec import get_path
+from revffn.archs.spec import get_path
 from revffn.models.teacher import teacher_context, teacher_layer
 
 

@@ -18,8 +18,8 @@ import contextlib
 
 import torch
 
-from revffn.models.layout import cache_kwarg
-from revffn.models.spec import get_path
+from revffn.archs.layout import cache_kwarg
+from revffn.archs.spec import get_path
 
 
 def _layer_output(out):

@@ -117,7 +117,8 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     params = method.optimizer_parameters(model)
     autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \
         else contextlib.nullcontext
-    return Run(cfg, method, hf, model, params, build_optimizer(cfg, params, getattr(model, "partial_gradients", None)), device, autocast, strategy)
+    optimizer = build_optimizer(cfg, params, getattr(model, "partial_gradients", None))
+    return Run(cfg, method, hf, model, params, optimizer, device, autocast, strategy)
 
 
 def forward_module(run: Run) -> nn.Module:

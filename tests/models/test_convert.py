@@ -8,8 +8,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import revffn
 from revffn import convert, tiny_model
+from revffn.archs.architectures import spec_for
 from revffn.errors import UserError
-from revffn.models.architectures import spec_for
 from tests.conftest import GENERIC, REQUIRED
 
 
@@ -32,7 +32,7 @@ def test_generic_spec_is_used_for_unregistered_architecture():
     hf = tiny_model(GENERIC, num_hidden_layers=2)
     spec = spec_for(hf)
     assert spec.model_type == "glm4_moe" and "generic" in spec.notes
-    from revffn.models.architectures import ARCHITECTURES
+    from revffn.archs.architectures import ARCHITECTURES
 
     assert "glm4_moe" not in ARCHITECTURES
 

@@ -8,7 +8,7 @@ model multiplies the embeddings by `embedding_multiplier` and divides the logits
 
 from dataclasses import replace
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="granitemoe",

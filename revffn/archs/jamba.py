@@ -5,7 +5,7 @@ Mamba layers get the 2-D padding mask.
 Jamba has no RoPE (`rotary=None`): its attention layers get `position_embeddings=None`, as in HF.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="jamba",

@@ -5,7 +5,7 @@ h = h + post_mlp_layernorm(mlp(pre_mlp_layernorm(h))). So `post_attention_layern
 attention's post-norm here, not the MoE's pre-norm as in the standard layout.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="afmoe",

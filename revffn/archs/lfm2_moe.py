@@ -3,7 +3,7 @@
 `embedding_norm`, the RoPE `pos_emb`. Convolution layers get the 2-D padding mask.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="lfm2_moe",

@@ -6,7 +6,7 @@ sub-blocks. RevFFN keeps both branches as they are (G normalises its own input w
 The model multiplies the logits by `logit_scale`.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="cohere2_moe",

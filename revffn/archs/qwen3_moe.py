@@ -3,6 +3,6 @@
 `config.sliding_window` (when set) switches every layer to the sliding-window mask.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(model_type="qwen3_moe", sliding_window_all_layers=True)

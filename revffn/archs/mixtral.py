@@ -5,7 +5,7 @@ to declare: the reversible stack sees any sub-block that draws random numbers an
 state in backward (`reversible.replay.RNGState`).
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="mixtral",

@@ -4,7 +4,7 @@ HF's layer: h = h + post_self_attn_layernorm(attn(input_layernorm(h))), then
 h = h + post_mlp_layernorm(mlp(post_attention_layernorm(h))).
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="kolibri1",

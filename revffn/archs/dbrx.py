@@ -4,7 +4,7 @@ HF's block: h = h + dropout(attn(norm_1(h))), then h = h + dropout(ffn(norm_2(h)
 half inside `norm_attn_norm`, p = `resid_pdrop`.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="dbrx",

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revffn.archs.spec import ArchSpec, config_value, get_path
 from revffn.errors import UserError
-from revffn.models.spec import ArchSpec, config_value, get_path
 
 # Model-level config keys that act outside the decoder layers' sub-blocks (on the embedding, the
 # residual stream or the logits), with their neutral value. Attention's own scales and soft-caps
@@ -274,11 +274,11 @@ def check_convertible(hf_model, spec: ArchSpec) -> None:
         fixes = []
         if missing:
             fixes.append("if the model has these pieces under other names, name them in a spec file under "
-                         "revffn/models/ (ArchSpec: attn, mixers, mlp, attn_norm, mlp_norm, embed, final_norm, "
+                         "revffn/archs/ (ArchSpec: attn, mixers, mlp, attn_norm, mlp_norm, embed, final_norm, "
                          "head, rotary)")
         if extra:
             fixes.append("if HF applies such a piece inside a branch (a post-norm, a shared MLP, a scale), declare "
-                         "it in a spec file under revffn/models/ (ArchSpec: attn_post_norm, mlp_post_norm, "
+                         "it in a spec file under revffn/archs/ (ArchSpec: attn_post_norm, mlp_post_norm, "
                          "shared_mlp, *_key)")
         fixes.append(("otherwise the architecture does not fit norm / attention / norm / MoE branches: "
                       if fixes else "") + "fine-tune it with a baseline method (full, ckpt, lora)")

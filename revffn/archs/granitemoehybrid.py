@@ -4,7 +4,7 @@ granite's residual, embedding and logits multipliers (see `granitemoe`). Mamba l
 padding mask. Layers without experts (only `shared_mlp`) are not supported: they are refused.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="granitemoehybrid",

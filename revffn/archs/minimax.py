@@ -3,7 +3,7 @@ h = alpha * input_layernorm(h) + beta * attn(input_layernorm(h)), and likewise a
 stream that reaches the next layer is a normed one. That does not fit Y = X + F(X) with the norm
 inside F."""
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="minimax",

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from revffn import convert
+from revffn.archs.architectures import spec_for
+from revffn.archs.layout import check_convertible
 from revffn.errors import UserError
-from revffn.models.architectures import spec_for
 from revffn.models.causal_lm import CausalLM
-from revffn.models.layout import check_convertible
 from revffn.models.tiny_any import tiny_model_for
 from revffn.reports.archs import compare, layout_gaps
 from revffn.reports.check import make_batch

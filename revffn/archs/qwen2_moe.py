@@ -4,6 +4,6 @@ Layers listed in `mlp_only_layers` (or off the `decoder_sparse_step`) are dense;
 same way with their MLP as G. Attention kinds come from `config.layer_types`.
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(model_type="qwen2_moe", notes="shared_expert + shared_expert_gate inside mlp")

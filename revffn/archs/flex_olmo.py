@@ -3,7 +3,7 @@
 HF's layer: h = h + post_attention_layernorm(attn(h)), then h = h + post_feedforward_layernorm(mlp(h)).
 """
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(
     model_type="flex_olmo",

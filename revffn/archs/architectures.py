@@ -3,24 +3,24 @@
 Any other HF causal LM whose decoder layers have the standard `input_layernorm / self_attn /
 post_attention_layernorm / mlp` layout converts through a generic spec built on the fly.
 Adding an architecture: one file defining `SPEC` (or `SPECS` for a family), its name in `SPEC_FILES`.
-Whether a model then converts exactly is `revffn.models.layout.check_convertible`.
+Whether a model then converts exactly is `revffn.archs.layout.check_convertible`.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from revffn.archs.layout import missing_pieces
+from revffn.archs.spec import ArchSpec, get_path
 from revffn.errors import UserError
-from revffn.models.layout import missing_pieces
-from revffn.models.spec import ArchSpec, get_path
 
-# the spec files under revffn/models/, each defining SPEC (or SPECS, a family)
+# the spec files under revffn/archs/, each defining SPEC (or SPECS, a family)
 SPEC_FILES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "afmoe", "kolibri1", "flex_olmo", "granitemoe",
               "granitemoehybrid", "llama4_text", "cohere2_moe", "dbrx", "jetmoe", "qwen3_next", "jamba", "lfm2_moe",
               "minimax")
 ARCHITECTURES: dict[str, ArchSpec] = {
     s.model_type: s
-    for m in (importlib.import_module(f"revffn.models.{name}") for name in SPEC_FILES)
+    for m in (importlib.import_module(f"revffn.archs.{name}") for name in SPEC_FILES)
     for s in getattr(m, "SPECS", (m.SPEC,))
 }
 
@@ -48,5 +48,5 @@ def spec_for(hf_model) -> ArchSpec:
         f"input_layernorm / self_attn / post_attention_layernorm / mlp layout: {'; '.join(missing)}. Supported "
         f"model_types: {', '.join(sorted(t for t, s in ARCHITECTURES.items() if not s.unsupported))} (and any HF "
         f"causal LM with that standard layout). "
-        f"Fix: use one of these architectures, or add a spec file under revffn/models/ naming its pieces."
+        f"Fix: use one of these architectures, or add a spec file under revffn/archs/ naming its pieces."
     )

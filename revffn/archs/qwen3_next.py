@@ -5,7 +5,7 @@ padding mask, as in HF (`HFRevBlock` gives them the `linear_attention` mask key)
 
 from dataclasses import replace
 
-from revffn.models.spec import ArchSpec
+from revffn.archs.spec import ArchSpec
 
 SPEC = ArchSpec(model_type="qwen3_next", mixers=("linear_attn",), notes="hybrid: linear_attn or self_attn")
 SPECS = (SPEC, replace(SPEC, model_type="qwen3_5_moe_text"), replace(SPEC, model_type="lara_mini"))

@@ -1,8 +1,8 @@
 """`ArchSpec`: where the pieces of one HF MoE architecture live (data, not code).
 
 The per-architecture specs live one file each (`qwen2_moe.py`, ...) and are collected, with the
-generic fallback, in `revffn.models.architectures`. What the pieces compute together (the two
-branches F and G at full width) is `revffn.models.layout`.
+generic fallback, in `revffn.archs.architectures`. What the pieces compute together (the two
+branches F and G at full width) is `revffn.archs.layout`.
 """
 
 from __future__ import annotations
