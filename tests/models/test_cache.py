@@ -150,6 +150,7 @@ with cache.staged_dir(Path(sys.argv[1]), lambda k: os._exit(9) if k == kill_at e
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["exchange", "fallback"])
 def test_a_kill_at_every_step_of_a_swap_leaves_the_old_or_the_new_directory(tmp_path, how):
     """A process killed (os._exit: no handler runs) after each step of `staged_dir`'s swap leaves `out` complete,

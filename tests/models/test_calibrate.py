@@ -39,12 +39,13 @@ def calibrated_base(tok):
     """builtin:base calibrated on the same 4096 self-sampled tokens, without and with the skip adapters, and
     with full-width streams (and skips): ({skip or "full": (loss on 16 held-out documents, report)}, the
     coordinate loss)."""
-    out, coordinate = {}, None
+    out, coordinate, rows = {}, None, None
     for skip, width in ((False, "half"), (True, "half"), (True, "full")):
         model = convert(load_hf("builtin:base"), adapter_skip=skip, stream_width=width).eval()
-        if width == "half":
+        if width == "half" and not skip:
             coordinate = retention_loss(model, tok, limit=16)  # the skips start at 0: the same model
-        rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
+        if rows is None:  # sampled from the unconverted layers: the same text for every variant
+            rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
         report = calibrate(model, row_batches(rows))
         out[skip if width == "half" else "full"] = (retention_loss(model, tok, limit=16), report)
     return out, coordinate

@@ -262,6 +262,7 @@ def test_unknown_strategy_is_a_config_error():
         load_config(None, [*TINY, "method=full", "distributed=deepspeed", "output_dir=x"])
 
 
+@pytest.mark.integration
 def test_cli_exit_2_without_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     r = subprocess.run([sys.executable, "-m", "revffn", "train", *TINY, "method=full", "distributed=ddp",

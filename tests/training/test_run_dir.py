@@ -55,6 +55,7 @@ def _load(final: Path):
     return model
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kill_at", [1, 2, 3])
 def test_a_kill_at_every_step_of_the_final_swap_leaves_a_loadable_final(tmp_path, kill_at):
     """A resumed run re-exports final/ over the old one; killed (SIGKILL) after step `kill_at` of the swap, final/

@@ -47,6 +47,7 @@ def test_a_live_run_blocks_a_second_start_an_overwrite_and_a_resume(tmp_path, ca
     assert cli.main(["train", *args, f"output_dir={run_dir}", "resume=true"]) == 0  # released: it runs
 
 
+@pytest.mark.integration
 def test_a_lock_names_its_holder_and_dies_with_its_process(tmp_path):
     run_dir = tmp_path / "run"
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; from revffn.training.setup import RunLock; "

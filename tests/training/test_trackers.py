@@ -87,6 +87,7 @@ def _assert_tensorboard_is_metrics(run_dir: Path, resumed_at: int | None = None)
     return rows
 
 
+@pytest.mark.integration
 def test_tensorboard_holds_every_metrics_line_across_a_restart(tmp_path):
     """A crash at step 4 restarts from checkpoint step-2 (`max_restarts`): step 3 is logged twice, and
     the second run's `purge_step` drops the first one's, as metrics.jsonl drops its line."""
