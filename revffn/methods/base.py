@@ -68,11 +68,6 @@ class Method:
                                   module=cls.__module__, qualname=f"{cls.__qualname__}.Options")
 
     @classmethod
-    def options_type(cls) -> type[Record]:
-        """`cls.Options`: the typed, frozen record of this method's options."""
-        return cls.Options
-
-    @classmethod
     def validate(cls, cfg) -> None:
         """Cross-key checks beyond types and ranges; raise UserError."""
 

@@ -113,7 +113,7 @@ gradient_accumulation_steps; the number of processes itself may change (docs/mul
 @dataclass(frozen=True)
 class _ConfigRecord(Record):
     """What a `TrainConfig` is beyond its keys: the method sections (each a typed, frozen options record of
-    the method's own `SCHEMA`, `Method.options_type`) and the file it was read from."""
+    the method's own `SCHEMA`, `Method.Options`) and the file it was read from."""
 
     @property
     def values(self) -> dict:
@@ -352,7 +352,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     if problems:
         head = f"{len(problems)} problem{'s' * (len(problems) > 1)} in the config:\n  - " if len(problems) > 1 else ""
         raise UserError(head + "\n  - ".join(problems))
-    sections = {name: METHODS[name].options_type()(**sec) for name, sec in sections.items()}
+    sections = {name: METHODS[name].Options(**sec) for name, sec in sections.items()}
     cfg = TrainConfig(**values, sections=sections, source=str(src))
     if isinstance(method, str) and method in METHODS:
         METHODS[method].validate(cfg)

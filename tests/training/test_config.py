@@ -28,7 +28,7 @@ def test_every_key_is_a_typed_field_and_the_config_is_frozen():
 def test_method_options_are_records_of_their_own_schema():
     cfg = load_config(None, ["revffn.stream_width=half", "lora.r=4"])
     opts = cfg.options("revffn")
-    assert isinstance(opts, Record) and type(opts) is METHODS["revffn"].options_type()
+    assert isinstance(opts, Record) and type(opts) is METHODS["revffn"].Options
     assert opts.stream_width == "half" and opts["stream_width"] == "half" and dict(opts)["stream_width"] == "half"
     assert set(opts) == set(METHODS["revffn"].SCHEMA)
     assert cfg.options("lora").r == 4 and cfg.section("lora")["r"] == 4
