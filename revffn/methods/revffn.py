@@ -80,8 +80,9 @@ class RevFFNMethod(Method):
         "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
                             "(a frozen copy of the weights: +1x weights memory)", min=0.0),
         "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: recompute and back-propagate each "
-                                      "layer's MoE branch by chunks of N tokens, so its working set is one chunk's "
-                                      "(0: the whole batch; a layer whose MoE branch draws random numbers is "
+                                      "layer's MoE branch by chunks of N tokens, and its attention by chunks of "
+                                      "whole sequences of at most N tokens (at least one), so its working set is "
+                                      "one chunk's (0: the whole batch; a branch that draws random numbers is "
                                       "recomputed whole)", min=0),
     }
     ESTIMATE_KEYS = ("freeze_router", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
@@ -313,7 +314,8 @@ class RevFFNMethod(Method):
         The working set is attention's part (F: `ctx.layers` less `ctx.ffn`, P_up_attn's and
         P_down_attn's inputs) plus the MoE branch's (G: `ctx.ffn`, P_up_moe's and P_down_moe's
         inputs, the surrogate), the latter scaled by min(recompute_chunk_tokens, N) / N: recomputed by
-        chunks, G holds one chunk's tensors at a time. F and G are summed, as without chunking: the
+        chunks, G holds one chunk's tensors at a time; F's part likewise by its chunk of whole sequences
+        (max(1, recompute_chunk_tokens // T) of the B). F and G are summed, as without chunking: the
         layer's saved bytes, which the estimate is calibrated on (`tests/memory`)."""
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
         stream = dtype_bytes(stream_dtype, "stream_dtype")
@@ -328,8 +330,9 @@ class RevFFNMethod(Method):
         # per branch: P_up's input (a d/2 half; full width has no P_up) and P_down's (d-wide)
         extra = (N * (m.d // 2) * s if stream_width == "half" else 0) + N * m.d * s
         chunk = min(recompute_chunk_tokens, N) / N if recompute_chunk_tokens else 1.0
-        working = max(ctx.layers[i] - ctx.ffn[i] + extra + int((ctx.ffn[i] + extra + aux * m.moe[i]) * chunk)
-                      for i in range(m.layers))
+        f_chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
+        working = max(int((ctx.layers[i] - ctx.ffn[i] + extra) * f_chunk)
+                      + int((ctx.ffn[i] + extra + aux * m.moe[i]) * chunk) for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
             "router frozen" if freeze_router else "router trainable")
         fit_in = m.d + (w if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
@@ -338,7 +341,9 @@ class RevFFNMethod(Method):
         notes = (f"revffn: two {stream}-byte {width} streams + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
-                    if 0 < recompute_chunk_tokens < N else ""),
+                    if 0 < recompute_chunk_tokens < N else "")
+                 + (f", its attention's by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
+                    if f_chunk < 1 else ""),
                  f"revffn: {adapters} adapter params; {state}",
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
                  f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "

@@ -138,10 +138,13 @@ class HFRevBlock(RevBlock):
     2-D padding mask, under the `linear_attention` mask key, as in HF.
 
     G is token-wise (norm, router, experts, shared expert, per token; HF's MoE blocks are dropless),
-    so the reversible backward may recompute it by chunks of tokens (`recompute_chunk_tokens`).
+    so the reversible backward may recompute it by chunks of tokens (`recompute_chunk_tokens`). F treats
+    each sequence alone (its masks and position embeddings are per sequence), so the backward may
+    recompute it by chunks of whole sequences, as many as fit in `recompute_chunk_tokens` tokens.
     """
 
     g_token_wise = True
+    f_batch_wise = True
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
                  hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = False,
@@ -355,7 +358,9 @@ class RevFFNForCausalLM(nn.Module):
         recompute_chunk_tokens: rows (of the flattened B*T) per chunk of the MoE branch G's
             recomputation in the reversible backward, so its working set is one chunk's (0: the
             whole batch at once). A block whose G drew random numbers (dropout, router jitter) or
-            made a choice not per token is recomputed whole (`RevBlock._g_splits`).
+            made a choice not per token is recomputed whole (`RevBlock._g_splits`). The attention
+            branch F is recomputed by chunks of whole sequences of at most as many tokens (at least
+            one sequence; `RevBlock._f_chunk`).
         debug: `DebugOptions` (routing replay, flip counting, a scope around the decoder stack).
         last_stack_stats: what the last reversible forward's stack reported (routing and RNG record
             bytes and storages, the sub-blocks that drew random numbers, routing flips once its

@@ -16,7 +16,8 @@ and the RNG state of each sub-block that drew random numbers.
 `RevStackFunction.backward` walks the blocks in reverse; `RevBlock.backward_pass` rebuilds each
 block's inputs from its outputs while back-propagating through F and G (minREV's scheme). With
 `StackContext.recompute_chunk_tokens`, a token-wise G is recomputed and back-propagated by chunks
-of token rows, so its working set in backward is one chunk's (`RevBlock.g_token_wise`).
+of token rows, so its working set in backward is one chunk's (`RevBlock.g_token_wise`), and an F
+that treats each sequence alone by chunks of whole sequences (`RevBlock.f_batch_wise`).
 
 `run_stack(..., reversible=False)` is the plain-autograd twin: the same blocks and math, ordinary
 backprop. It is the reference for every parity test and the path used for eval and `no_grad`.
@@ -103,6 +104,33 @@ class StackContext:
             return self
         return replace(self, position_embeddings=self.position_embeddings[position_key], per_layer_position=False)
 
+    def batch_rows(self, rows: slice, batch: int, seq: int) -> StackContext | None:
+        """The context of a sub-block recomputed on the sequences `rows` of a (batch, seq) stream alone
+        (`RevBlock`'s chunked F): each mask and position embedding sliced to those sequences, where its
+        leading dim is the batch (a 3-D or 4-D tensor with `batch` leading rows, or the 2-D (batch, seq)
+        padding mask) and kept whole where it is 1 (broadcast over the batch). None when a leaf is
+        anything else (another shape, a non-tensor mask such as a block mask): then F is recomputed whole."""
+        if self.cache is not None or self.per_layer_position:
+            return None
+
+        def piece(x):
+            if x is None:
+                return None
+            if not isinstance(x, torch.Tensor):
+                raise LookupError
+            if x.dim() in (3, 4) and x.shape[0] in (batch, 1):
+                return x[rows] if x.shape[0] == batch else x
+            if x.dim() == 2 and tuple(x.shape) == (batch, seq):
+                return x[rows]
+            raise LookupError
+
+        leaves, spec = self._inputs()
+        try:
+            position_embeddings, masks = tree_unflatten([piece(x) for x in leaves], spec)
+        except LookupError:
+            return None
+        return replace(self, position_embeddings=position_embeddings, masks=masks, aux=None)
+
     def token_rows(self, rows: slice) -> StackContext:
         """The context of a token-wise sub-block recomputed on the flattened token rows `rows` alone
         (`RevBlock`'s chunked G): the aux accumulator's per-token tensors (its row mask) sliced to
@@ -135,12 +163,16 @@ class RevBlock(nn.Module):
     `g_token_wise`: a subclass whose G computes each token from that token alone (an MLP or a
     dropless MoE: no attention, no capacity shared between tokens) sets it, and then lets the
     backward recompute G by chunks of token rows (`StackContext.recompute_chunk_tokens`).
+    `f_batch_wise`: likewise for an F that computes each sequence of the batch from that sequence
+    alone (attention under per-sequence masks and positions): the backward recomputes it by chunks of
+    whole sequences.
     """
 
     layer_idx: int = 0
     router_tap: RouterTap | None = None
     position_key: str | None = None  # with position embeddings per layer type: this block's entry
     g_token_wise: bool = False
+    f_batch_wise: bool = False
 
     def F(self, X_2: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         raise NotImplementedError
@@ -174,17 +206,56 @@ class RevBlock(nn.Module):
             dY_1 = dY_1 + dG
             del g_Y_1, dG  # G's output and the gradient it passed to Y_1
 
-        with torch.enable_grad():
-            X_2.requires_grad_(True)
-            with _replaying(records[0], sctx):
-                f_X_2 = self.F(X_2, sctx)
-            torch.autograd.backward(f_X_2, dY_1)
+        f_X_2, dX_2 = self._f_backward(X_2, dY_1, sctx, records[0])
         with torch.no_grad():
             X_1 = Y_1.detach() - f_X_2
             del f_X_2  # F's output
-            dX_2 = dY_2 + X_2.grad
-            X_2.grad = None
-        return X_1, X_2.detach(), dY_1, dX_2
+            dX_2 = dY_2 + dX_2
+        return X_1, X_2, dY_1, dX_2
+
+    def _f_backward(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """F(X_2) recomputed and dY_1 back-propagated through it: by chunks of whole sequences where
+        `_f_chunk` allows (each chunk as many sequences as fit in `sctx.recompute_chunk_tokens` tokens, at
+        least one), so only one chunk's graph is alive at a time, else at once. Returns (F(X_2), the
+        gradient reaching X_2), both detached."""
+        rows = self._f_chunk(X_2, record, sctx)
+        if rows is None:
+            return self._f_recompute(X_2, dY_1, sctx, record)
+        B, T = X_2.shape[:2]
+        f_X_2, dX_2 = torch.empty_like(X_2), torch.empty_like(X_2)
+        spans = [slice(a, min(a + rows, B)) for a in range(0, B, rows)]
+        for i, span in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
+            with sctx.partial.open() if i + 1 < len(spans) else contextlib.nullcontext():
+                f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], sctx.batch_rows(span, B, T),
+                                                            record)
+        sctx.stats.setdefault("f_recompute_chunks", {})[self.layer_idx] = len(spans)
+        return f_X_2, dX_2
+
+    def _f_chunk(self, X_2: torch.Tensor, record: SubBlockRecord, sctx: StackContext) -> int | None:
+        """Sequences per chunk of F's recomputation, or None for the whole batch: chunking is asked for
+        and would split (more than `recompute_chunk_tokens` tokens in a batch of several sequences); F
+        computes each sequence from that sequence alone (`f_batch_wise`); its record is empty (no choice
+        and no random numbers: a chunk would make or draw its own); and every mask and position embedding
+        slices by sequence (`StackContext.batch_rows`). Otherwise F is recomputed whole, silently."""
+        n = sctx.recompute_chunk_tokens
+        if not (self.f_batch_wise and n > 0 and X_2.dim() == 3 and X_2.shape[0] > 1 and X_2.shape[:2].numel() > n
+                and not record.choices and record.rng is None):
+            return None
+        B, T = X_2.shape[:2]
+        rows = max(1, n // T)
+        if rows >= B or sctx.batch_rows(slice(0, rows), B, T) is None:
+            return None
+        return rows
+
+    def _f_recompute(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """F(X_2) recomputed under `record`'s replay and dY_1 back-propagated through it; param grads
+        accumulate into `.grad`. Returns F(X_2) and X_2's gradient, both detached."""
+        with torch.enable_grad():
+            X_2 = X_2.detach().requires_grad_(True)
+            with _replaying(record, sctx):
+                f_X_2 = self.F(X_2, sctx)
+            torch.autograd.backward(f_X_2, dY_1)
+        return f_X_2.detach(), X_2.grad
 
     def _g_backward(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
                     d_aux) -> tuple[torch.Tensor, torch.Tensor]:

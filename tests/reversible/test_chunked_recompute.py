@@ -103,6 +103,69 @@ def test_chunked_matches_whole_with_padding_and_aux_loss(name):
     assert err <= TOL
     assert model.last_stack_stats["recompute_chunks"] == {0: 4, 1: 4}
     assert calls == [7, 7, 7, 5] * 2  # G really ran chunk by chunk in backward, never on all 26 tokens
+    assert model.last_stack_stats["f_recompute_chunks"] == {0: 2, 1: 2}  # F: one 13-token sequence a chunk
+
+
+def _f_calls(model) -> tuple[list[int], list]:
+    """Records the batch size of every call of each layer's attention module that runs with grad
+    enabled (in the reversible path: only the backward recomputation)."""
+    calls = []
+
+    def count(module, args, kwargs, out):
+        if torch.is_grad_enabled():
+            calls.append(kwargs.get("hidden_states", args[0] if args else None).shape[0])
+
+    handles = [b.base_layer.self_attn.register_forward_hook(count, with_kwargs=True) for b in model.blocks]
+    return calls, handles
+
+
+@pytest.mark.parametrize("name", REQUIRED + [GENERIC])
+def test_attention_recomputed_by_whole_sequences(name):
+    """F (attention) is recomputed by chunks of whole sequences: with left padding (its mask rows
+    sliced with the sequences) and 3 sequences of 13 tokens in chunks of at most 26 tokens (2, then 1),
+    the same gradients as the whole recomputation; F really ran on 2 then 1 sequences in backward."""
+    model = convert(tiny_model(name, num_hidden_layers=2))
+    model.train()
+    ids = torch.randint(3, 512, (3, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    g_whole, loss_whole = _grads(model, ids, mask, 0)
+    assert "f_recompute_chunks" not in model.last_stack_stats
+    calls, handles = _f_calls(model)
+    try:
+        g_chunked, loss_chunked = _grads(model, ids, mask, 26)
+    finally:
+        for h in handles:
+            h.remove()
+    assert loss_chunked == loss_whole
+    assert model.last_stack_stats["f_recompute_chunks"] == {0: 2, 1: 2}
+    assert calls == [2, 1] * 2
+    assert _err(g_chunked, g_whole) <= TOL
+
+
+def test_attention_chunks_with_the_wrong_mask_rows_are_wrong():
+    """The negative control of the mask slicing: each chunk given the first sequences' mask rows
+    (the padded sequence's mask on an unpadded one) gives other gradients."""
+    from revffn.reversible import coupling
+
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
+    model.train()
+    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    g_whole, _ = _grads(model, ids, mask, 0)
+    real = coupling.StackContext.batch_rows
+
+    def first_rows(self, rows, batch, seq):
+        return real(self, slice(1, 2) if rows.start == 0 else slice(0, 1), batch, seq)
+
+    coupling.StackContext.batch_rows = first_rows
+    try:
+        g_wrong, _ = _grads(model, ids, mask, 13)
+    finally:
+        coupling.StackContext.batch_rows = real
+    assert model.last_stack_stats["f_recompute_chunks"] == {0: 2, 1: 2}
+    assert _err(g_wrong, g_whole) > 1e-4
 
 
 def test_aux_loss_gradient_is_exact_per_chunk():
@@ -158,10 +221,11 @@ def test_chunked_replay_survives_a_forced_near_tie():
 
 def test_rng_in_g_falls_back_to_the_whole_recomputation():
     """Router jitter draws random numbers in G: a chunk would draw others, so every G is recomputed
-    whole: the same bits as without chunking, and no layer in `recompute_chunks`."""
+    whole: the same bits as without chunking, and no layer in `recompute_chunks` (one sequence, so
+    that F, which is chunked by sequences, is recomputed whole too)."""
     model = convert(tiny_model("tiny-mixtral", num_hidden_layers=2, router_jitter_noise=0.2))
     model.train()
-    ids, mask = _batch()
+    ids, mask = (t[1:] for t in _batch())
     g_whole, _ = _grads(model, ids, mask, 0, seed=123)
     g_chunked, _ = _grads(model, ids, mask, CHUNK, seed=123)
     assert model.last_stack_stats["rng_sub_blocks"] == [(0, "G"), (1, "G")]
@@ -184,6 +248,7 @@ def test_rng_in_one_layer_or_in_f_only():
     stats = model.last_stack_stats
     assert stats["rng_sub_blocks"] == [(0, "F"), (1, "F"), (1, "G")]
     assert stats["recompute_chunks"] == {0: 4}
+    assert "f_recompute_chunks" not in stats  # F drew random numbers: recomputed whole
     assert _err(g_chunked, g_whole) <= TOL
 
 
