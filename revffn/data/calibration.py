@@ -3,7 +3,7 @@
 Both need general text: adapters fitted or healed on a narrow task distribution lose more of the
 base model than doing nothing (docs/conversion.md). `self` needs no data at all: sequences of
 `SEQ_LEN` tokens sampled at temperature 1 from the pretrained model itself (`models.teacher.sample_self`),
-each starting at the document boundary. A file's examples are rendered as training renders them
+each starting at the document boundary (`start_token`). A file's examples are rendered as training renders them
 (text + eos; chats through the template), shuffled, concatenated and cut into rows of `SEQ_LEN`.
 
     rows = calibration_rows("self", tokenizer, model, n_tokens=32768, key="revffn.calibration_data")
@@ -25,12 +25,20 @@ SEQ_LEN = 128  # tokens per calibration / heal row
 SAMPLE_BATCH = 64  # rows sampled at once for a `self` heal
 
 
+CHATML_TURN_END, CHATML_DOCUMENT_END = "<|im_end|>", "<|endoftext|>"
+
+
 def start_token(tokenizer) -> int:
     """The document-boundary token a sampled sequence starts from: bos when the tokenizer prepends one to
-    every text, else eos (packed corpora separate documents with it; the shipped base's does)."""
+    every text; on a ChatML instruct model (Qwen, SmolLM2: eos `<|im_end|>` ends a chat turn) the
+    pretraining corpus's separator `<|endoftext|>`, where the model continues with web text, code and
+    maths rather than with the next chat turn (docs/conversion.md, "`self` text on an instruct model");
+    else eos (packed corpora separate documents with it; the shipped base's does)."""
     ids = tokenizer("a")["input_ids"]
     if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
         return tokenizer.bos_token_id
+    if tokenizer.eos_token == CHATML_TURN_END and CHATML_DOCUMENT_END in tokenizer.get_vocab():
+        return tokenizer.convert_tokens_to_ids(CHATML_DOCUMENT_END)
     return tokenizer.eos_token_id
 
 
