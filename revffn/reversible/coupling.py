@@ -50,10 +50,16 @@ class PartialGradients:
     One per model (`RevFFNForCausalLM.partial_gradients`), handed to each forward's `StackContext` and to
     what acts on a complete gradient: the optimizer stepped in backward (`training.optim.InBackward`) skips
     a parameter's hook while `active()`, and steps it on the last chunk.
+
+    `hookless` (set under DDP, whose reducer marks a parameter ready at its first gradient hook and refuses
+    a second): a partial chunk's parameter gradients are then computed by `torch.autograd.grad` and added
+    into `.grad` directly, so that each parameter's hooks fire once, on its last chunk, with the complete
+    gradient (`backprop`).
     """
 
     def __init__(self) -> None:
         self.depth = 0
+        self.hookless = False
 
     @contextlib.contextmanager
     def open(self):
@@ -65,6 +71,35 @@ class PartialGradients:
 
     def active(self) -> bool:
         return self.depth > 0
+
+    def backprop(self, outputs: list, grads: list, x: torch.Tensor, partial: bool) -> torch.Tensor:
+        """`torch.autograd.backward(outputs, grads)`, parameter gradients accumulated into `.grad`; returns
+        the gradient reaching `x` (a leaf). `partial`: more chunks of this backward will add to the same
+        parameters (raised for the in-backward optimizer, or, `hookless`, added without firing a hook)."""
+        if partial and self.hookless:
+            leaves = _graph_leaves(outputs)
+            got = torch.autograd.grad(outputs, [x, *leaves], grads, allow_unused=True)
+            for leaf, g in zip(leaves, got[1:]):
+                if g is not None:
+                    leaf.grad = g if leaf.grad is None else leaf.grad + g
+            return got[0]
+        with self.open() if partial else contextlib.nullcontext():
+            torch.autograd.backward(outputs, grads)
+        return x.grad
+
+
+def _graph_leaves(outputs: list) -> list[torch.Tensor]:
+    """The leaf tensors that require grad (parameters) in the autograd graph of `outputs`."""
+    leaves, seen, todo = {}, set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves[id(node.variable)] = node.variable
+        todo.extend(n for n, _ in node.next_functions)
+    return list(leaves.values())
 
 
 @dataclass
@@ -225,9 +260,8 @@ class RevBlock(nn.Module):
         f_X_2, dX_2 = torch.empty_like(X_2), torch.empty_like(X_2)
         spans = [slice(a, min(a + rows, B)) for a in range(0, B, rows)]
         for i, span in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
-            with sctx.partial.open() if i + 1 < len(spans) else contextlib.nullcontext():
-                f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], sctx.batch_rows(span, B, T),
-                                                            record)
+            f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], sctx.batch_rows(span, B, T), record,
+                                                        partial=i + 1 < len(spans))
         sctx.stats.setdefault("f_recompute_chunks", {})[self.layer_idx] = len(spans)
         return f_X_2, dX_2
 
@@ -247,15 +281,16 @@ class RevBlock(nn.Module):
             return None
         return rows
 
-    def _f_recompute(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
+    def _f_recompute(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord,
+                     partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """F(X_2) recomputed under `record`'s replay and dY_1 back-propagated through it; param grads
         accumulate into `.grad`. Returns F(X_2) and X_2's gradient, both detached."""
         with torch.enable_grad():
             X_2 = X_2.detach().requires_grad_(True)
             with _replaying(record, sctx):
                 f_X_2 = self.F(X_2, sctx)
-            torch.autograd.backward(f_X_2, dY_1)
-        return f_X_2.detach(), X_2.grad
+            grad = sctx.partial.backprop([f_X_2], [dY_1], X_2, partial)
+        return f_X_2.detach(), grad
 
     def _g_backward(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
                     d_aux) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,9 +311,8 @@ class RevBlock(nn.Module):
         g_rows, dY_1_rows = torch.empty_like(Y_rows), torch.empty_like(Y_rows)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
         for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
-            with sctx.partial.open() if i + 1 < len(spans) else contextlib.nullcontext():
-                g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
-                                            record.rows(rows), d_aux)
+            g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
+                                        record.rows(rows), d_aux, partial=i + 1 < len(spans))
             g_rows[rows], dY_1_rows[rows] = g[0], grad[0]
         sctx.stats.setdefault("recompute_chunks", {})[self.layer_idx] = len(spans)
         return g_rows.view_as(Y_1), dY_1_rows.view_as(Y_1)
@@ -295,7 +329,7 @@ class RevBlock(nn.Module):
                 and record.splits_into_rows(rows))
 
     def _g_recompute(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
-                     d_aux) -> tuple[torch.Tensor, torch.Tensor]:
+                     d_aux, partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """G(Y_1) recomputed under `record`'s replay, and dY_2 (with the load-balancing surrogate's
         gradient, given `d_aux` and a router tap) back-propagated through it; param grads accumulate
         into `.grad`. Returns G(Y_1), detached (backward freed its graph), and Y_1's gradient."""
@@ -308,8 +342,8 @@ class RevBlock(nn.Module):
             if d_aux is not None and logits is not None:
                 outputs.append(sctx.aux.surrogate(logits, d_aux))
                 grads.append(None)
-            torch.autograd.backward(outputs, grads)
-        return g_Y_1.detach(), Y_1.grad
+            grad = sctx.partial.backprop(outputs, grads, Y_1, partial)
+        return g_Y_1.detach(), grad
 
 
 def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):

@@ -163,6 +163,11 @@ def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device) 
     # FSDP2 makes the first module whose forward runs the root. The heal's sampler and teacher call
     # units before the model's own forward: initialize now, with the model as the root.
     model._get_fsdp_state()._lazy_init()
+    # FSDP2 reduce-scatters a unit's gradient after the backward of each of its calls and reshards it: a
+    # branch recomputed by chunks calls its units once per chunk, and the chunks' sum is lost (measured:
+    # 3.6e-2 off one process in tests/training/test_distributed.py). Each branch is recomputed whole.
+    if getattr(model, "recompute_chunk_tokens", 0):
+        model.recompute_chunk_tokens = 0
     # FSDP2 warns when a unit returns a view (an in-place op on it would skip the unit's pre-backward
     # hook). The MoE blocks return a reshape of their output; revffn adds to it out of place only.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

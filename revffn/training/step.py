@@ -136,6 +136,8 @@ def forward_module(run: Run) -> nn.Module:
     if run.ddp is None or trainable != run.ddp_trainable:
         ids = [run.device.index] if run.device.type == "cuda" else None
         run.ddp = DDPModel(run.model, device_ids=ids, find_unused_parameters=False)
+        if hasattr(run.model, "partial_gradients"):  # a chunked recompute's partial gradients fire no hook
+            run.model.partial_gradients.hookless = True
         run.ddp_trainable = trainable
     return run.ddp
 

@@ -44,6 +44,10 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     # the calibrated init, once per job: each rank fits its share of the rows, the fits' sums all-reduced
     "revffn-calibrated": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
                            "revffn.adapter_init=calibrated", "revffn.calibration_tokens=1024"], 4, 1),
+    # the backward's chunked recompute (G by 16-token chunks, F by whole sequences): a parameter's gradient
+    # accumulates once per chunk, and is reduced (ddp) or reduce-scattered (fsdp) once, when complete
+    "revffn-chunked": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+                        "revffn.adapter_init=coordinate", "revffn.recompute_chunk_tokens=16"], 4, 1),
     # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
     "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
