@@ -187,6 +187,15 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "above the peer at short sequences is RevFFN's own static memory: its adapters (4·d² a layer at full "
               "stream width, 4.2 M parameters here, 67 MB with their gradients and AdamW states) against the "
               "activations it saves over checkpointing (the 16 layer inputs, 39 MiB at seq 512).",
+              "- The attention branch F is now recomputed by chunks of whole sequences too (at most "
+              "`recompute_chunk_tokens` tokens a chunk, at least one sequence). Its peak, from torch.profiler's "
+              "timeline (`python scripts/memory_timeline.py --method revffn --seq S --set "
+              "revffn.adapter_init=coordinate --set revffn.recompute_chunk_tokens=N`, one thread): seq 512, N 4096 "
+              "(no chunk) 415.5 MiB, N 1024 401.2, N 512 388.1 (the peak then falls in F: one 512-token sequence's "
+              "working set); seq 2048, N 4096 540.6 (two 4096-token chunks of G), N 2048 488.4, N 1024 474.4 "
+              "(518.0 with G chunked and F whole). revffn's `ckpt` peaks at 348.4 and 586.2. The default stays 4096: "
+              "what smaller chunks cost in tokens/s was not measured on a quiet machine, and on a GPU an MoE chunk "
+              "of 1024 tokens leaves each expert few rows.",
               "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports: it "
               "includes what glibc's allocator keeps after frees, library code paged in while running, and "
               "transient buffers, so it sits above the estimate's held-tensor total. Most of the gap is the "
