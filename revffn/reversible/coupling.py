@@ -235,17 +235,19 @@ class RevBlock(nn.Module):
         Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
         """
         sctx = sctx.for_layer(self.position_key)
+        if dY_2 is None:  # Y_2 reached no loss (autograd's undefined gradient): zero
+            dY_2 = torch.zeros_like(Y_2)
         g_Y_1, dG = self._g_backward(Y_1, dY_2, sctx, records[1], d_aux)
-        with torch.no_grad():
-            X_2 = Y_2 - g_Y_1
-            dY_1 = dY_1 + dG
+        with torch.no_grad():  # in the buffers G's recompute returned where they are its own: no new stream
+            X_2 = _subtract_from(Y_2, g_Y_1, keep=(Y_1, Y_2, dY_1, dY_2))
+            dY_1 = dG if dY_1 is None else _add_into(dG, dY_1, keep=(Y_1, Y_2, X_2, dY_1, dY_2))
             del g_Y_1, dG  # G's output and the gradient it passed to Y_1
 
         f_X_2, dX_2 = self._f_backward(X_2, dY_1, sctx, records[0])
         with torch.no_grad():
-            X_1 = Y_1.detach() - f_X_2
+            X_1 = _subtract_from(Y_1.detach(), f_X_2, keep=(Y_1, Y_2, X_2, dY_1, dY_2))
             del f_X_2  # F's output
-            dX_2 = dY_2 + dX_2
+            dX_2 = _add_into(dX_2, dY_2, keep=(Y_1, Y_2, X_1, X_2, dY_1, dY_2))
         return X_1, X_2, dY_1, dX_2
 
     def _f_backward(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,14 +310,16 @@ class RevBlock(nn.Module):
             return self._g_recompute(Y_1, dY_2, sctx, record, d_aux)
         width = Y_1.shape[-1]
         Y_rows, dY_rows = Y_1.reshape(-1, width), dY_2.reshape(-1, width)
-        g_rows, dY_1_rows = torch.empty_like(Y_rows), torch.empty_like(Y_rows)
+        g_Y_1 = torch.empty_like(Y_1, memory_format=torch.contiguous_format)
+        dY_1 = torch.empty_like(g_Y_1)
+        g_rows, dY_1_rows = g_Y_1.view(-1, width), dY_1.view(-1, width)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
         for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
             g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
                                         record.rows(rows), d_aux, partial=i + 1 < len(spans))
             g_rows[rows], dY_1_rows[rows] = g[0], grad[0]
         sctx.stats.setdefault("recompute_chunks", {})[self.layer_idx] = len(spans)
-        return g_rows.view_as(Y_1), dY_1_rows.view_as(Y_1)
+        return g_Y_1, dY_1
 
     def _g_splits(self, Y_1: torch.Tensor, record: SubBlockRecord, n: int) -> bool:
         """Whether G can be recomputed by chunks of `n` token rows, exactly: chunking is asked for and
@@ -344,6 +348,27 @@ class RevBlock(nn.Module):
                 grads.append(None)
             grad = sctx.partial.backprop(outputs, grads, Y_1, partial)
         return g_Y_1.detach(), grad
+
+
+def _shares_storage(t: torch.Tensor, others) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _subtract_from(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
+    """a - b, written into b's buffer when b owns it (a sub-block's recomputed output, which its
+    backward has released; not a view of any tensor in `keep`), so that the backward allocates no
+    stream for it: the reversible backward's peak holds a few (B, T, width) streams less."""
+    if b.shape != a.shape or b.dtype != a.dtype or b._base is not None or _shares_storage(b, keep):
+        return a - b
+    return b.neg_().add_(a)
+
+
+def _add_into(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
+    """a + b, written into a's buffer when a owns it (as `_subtract_from`)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a._base is not None or _shares_storage(a, keep):
+        return a + b
+    return a.add_(b)
 
 
 def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
@@ -414,6 +439,7 @@ class RevStackFunction(torch.autograd.Function):
         sctx.stats["rng_sub_blocks"] = [r.where for r in records if r.rng is not None]
         sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng}
         ctx.save_for_backward(X_1, X_2, *sctx.tensors(), *(t for r in records for t in r.tensors()))
+        ctx.set_materialize_grads(False)  # a stream the loss does not read gets None, not a zero stream
         return X_1, X_2, aux
 
     @staticmethod
