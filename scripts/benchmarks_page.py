@@ -193,7 +193,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "revffn.adapter_init=coordinate --set revffn.recompute_chunk_tokens=N`, one thread): seq 512, N 4096 "
               "(no chunk) 415.5 MiB, N 1024 401.2, N 512 388.1 (the peak then falls in F: one 512-token sequence's "
               "working set); seq 2048, N 4096 540.6 (two 4096-token chunks of G), N 2048 488.4, N 1024 474.4 "
-              "(518.0 with G chunked and F whole). revffn's `ckpt` peaks at 348.4 and 586.2. The default stays 4096: "
+              "(518.0 with G chunked and F whole). Not materializing the gradient the loss does not give the first "
+              "stream (a zero stream held through the whole backward) and the backward's stream arithmetic in the "
+              "recompute's own buffers take 2 to 8 MiB more off: 413.5, 386.1, 532.6 and 466.4 MiB for the rows "
+              "above. revffn's `ckpt` peaks at 348.4 and 586.2. The default stays 4096: "
               "what smaller chunks cost in tokens/s was not measured on a quiet machine, and on a GPU an MoE chunk "
               "of 1024 tokens leaves each expert few rows.",
               "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports: it "
