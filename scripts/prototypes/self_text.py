@@ -1,8 +1,7 @@
 """python scripts/prototypes/self_text.py START TEMP TOKENS [THREADS] [LIMIT]
 
 Prototype behind docs/conversion.md ("`self` text on an instruct model"): which sampled text calibrates the dense
-builtin:smollm2 best. START: eos (today's `start_token`: the tokenizer's eos, `<|im_end|>` on this instruct model)
-| doc (`<|endoftext|>`, the pretraining corpus's document separator). TEMP: the sampling temperature. The model is
+builtin:smollm2 best. START: eos (the tokenizer's eos, `<|im_end|>` on this instruct model) | doc (`<|endoftext|>`, the pretraining corpus's document separator). TEMP: the sampling temperature. The model is
 converted at full width with the skips, calibrated in closed form on TOKENS sampled tokens (`models.calibrate`),
 and scored on builtin:pydoc_text (LIMIT 32: its first 32 documents, base 3.002; all: every one, base 2.940).
 """
@@ -13,7 +12,7 @@ import time
 
 import torch
 
-from revffn.data.calibration import SEQ_LEN, row_batches, start_token
+from revffn.data.calibration import SEQ_LEN, row_batches
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models import calibrate as C
 from revffn.models.convert import convert
@@ -27,7 +26,7 @@ def main(start: str, temp: float, n_tokens: int, threads: int, limit: str) -> No
     tok = model_tokenizer("builtin:smollm2")
     model = convert(load_hf("builtin:smollm2"), adapter_init="calibrated", adapter_skip=True,
                     stream_width="full").eval()
-    first = start_token(tok) if start == "eos" else tok.convert_tokens_to_ids("<|endoftext|>")
+    first = {"eos": tok.eos_token_id, "doc": tok.convert_tokens_to_ids("<|endoftext|>")}[start]
     t0 = time.time()
     rows = sample_self(model, n_tokens // SEQ_LEN, SEQ_LEN, first, temperature=temp, seed=0)
     sample_s = time.time() - t0
