@@ -1,9 +1,10 @@
 """python scripts/prototypes/self_text.py START TEMP TOKENS [THREADS] [LIMIT]
 
 Prototype behind docs/conversion.md ("`self` text on an instruct model"): which sampled text calibrates the dense
-builtin:smollm2 best. START: eos (the tokenizer's eos, `<|im_end|>` on this instruct model) | doc (`<|endoftext|>`, the pretraining corpus's document separator). TEMP: the sampling temperature. The model is
-converted at full width with the skips, calibrated in closed form on TOKENS sampled tokens (`models.calibrate`),
-and scored on builtin:pydoc_text (LIMIT 32: its first 32 documents, base 3.002; all: every one, base 2.940).
+builtin:smollm2 best. START: eos (the tokenizer's eos, `<|im_end|>` on this instruct model) | doc (`<|endoftext|>`,
+the pretraining corpus's document separator). TEMP: the sampling temperature. The model is converted at full width
+with the skips, calibrated in closed form on TOKENS sampled tokens (`models.calibrate`), and scored on
+builtin:pydoc_text (LIMIT 32: its first 32 documents, base 3.002; all: every one, base 2.940).
 """
 
 import json

@@ -12,10 +12,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from revffn.data.calibration import start_tokens
+from revffn.data.tokenizer import model_tokenizer
 from revffn.models.convert import convert
 from revffn.models.presets import tiny_model
 from revffn.models.teacher import sample_self
-from revffn.data.tokenizer import model_tokenizer
 
 VOCAB = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|end|>": 3, "a": 4}
 
