@@ -165,6 +165,25 @@ def test_revffn_recompute_chunks_shrink_the_moe_working_set(freeze_router):
         estimate(config, "revffn", 1, N, recompute_chunk_tokens=-1)
 
 
+def test_revffn_recompute_chunks_shrink_the_attention_working_set_by_whole_sequences():
+    """With several sequences, attention's part shrinks too, by whole sequences: batch 8 x 2048 in chunks
+    of 4096 tokens recomputes attention 2 sequences at a time (1/4 of its part); chunks below one
+    sequence keep one sequence (1/8), never less."""
+    config = hf_config("qwen1.5-moe-a2.7b")
+
+    def working(batch: int, seq: int, chunk: int) -> int:
+        return estimate(config, "revffn", batch, seq, "bfloat16", recompute_chunk_tokens=chunk)["recompute_working_set"]
+
+    one_seq = working(1, 2048, 0)  # one sequence, whole: attention's and the MoE's parts of 2048 tokens
+    eight, by_two = working(8, 2048, 0), working(8, 2048, 4096)
+    assert eight == pytest.approx(8 * one_seq, rel=1e-3)
+    assert by_two == pytest.approx(2 * one_seq, rel=1e-3)  # both parts: 4096 tokens, 2 whole sequences
+    attn_one_seq = working(8, 2048, 1)  # attention one sequence at a time, the MoE one token: ~1/8 of the whole
+    assert attn_one_seq < by_two / 2 and working(8, 2048, 1024) > attn_one_seq
+    notes = estimate(config, "revffn", 8, 2048, "bfloat16")["notes"]
+    assert any("its attention's by chunks of 2 sequences" in n for n in notes)
+
+
 def test_unknown_preset_method_and_option():
     with pytest.raises(UserError) as err:
         hf_config("qwen1.5-moe")
