@@ -3,7 +3,7 @@
 Both need general text: adapters fitted or healed on a narrow task distribution lose more of the
 base model than doing nothing (docs/conversion.md). `self` needs no data at all: sequences of
 `SEQ_LEN` tokens sampled at temperature 1 from the pretrained model itself (`models.teacher.sample_self`),
-each starting at a document boundary (`start_tokens`). A file's examples are rendered as training renders them
+each starting at the document boundary (`start_token`). A file's examples are rendered as training renders them
 (text + eos; chats through the template), shuffled, concatenated and cut into rows of `SEQ_LEN`.
 
     rows = calibration_rows("self", tokenizer, model, n_tokens=32768, key="revffn.calibration_data")
@@ -25,21 +25,16 @@ SEQ_LEN = 128  # tokens per calibration / heal row
 SAMPLE_BATCH = 64  # rows sampled at once for a `self` heal
 
 
-CHATML_TURN_END, CHATML_DOCUMENT_END = "<|im_end|>", "<|endoftext|>"
-
-
-def start_tokens(tokenizer) -> tuple[int, ...]:
-    """The tokens sampled sequences start from, in turn: bos when the tokenizer prepends one to every text;
-    on a ChatML instruct model (Qwen, SmolLM2: eos `<|im_end|>` ends a chat turn) both the pretraining
-    corpus's separator `<|endoftext|>` (the model continues with web text, code and maths) and eos (it
-    continues with the next chat turn), half the rows each (docs/conversion.md, "`self` text on an instruct
-    model"); else eos (packed corpora separate documents with it; the shipped base's does)."""
+def start_token(tokenizer) -> int:
+    """The document-boundary token a sampled sequence starts from: bos when the tokenizer prepends one to
+    every text, else eos (packed corpora separate documents with it; the shipped base's does). On a ChatML
+    instruct model eos is `<|im_end|>`, and the samples continue a chat; starting them at the pretraining
+    separator `<|endoftext|>` instead was measured and not kept (docs/conversion.md, "`self` text on an
+    instruct model": 0.16 nats better on held-out prose, 0.52 worse on the knowledge probes' answers)."""
     ids = tokenizer("a")["input_ids"]
     if tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
-        return (tokenizer.bos_token_id,)
-    if tokenizer.eos_token == CHATML_TURN_END and CHATML_DOCUMENT_END in tokenizer.get_vocab():
-        return tokenizer.convert_tokens_to_ids(CHATML_DOCUMENT_END), tokenizer.eos_token_id
-    return (tokenizer.eos_token_id,)
+        return tokenizer.bos_token_id
+    return tokenizer.eos_token_id
 
 
 def is_task_data(examples: list[dict]) -> bool:
@@ -75,7 +70,7 @@ def calibration_rows(source: str, tokenizer, model, n_tokens: int, key: str, see
     (a converted model; its teacher path) when `source` is ``self``, else from the file."""
     if source == SELF:
         seq = min(seq_len, n_tokens)
-        return sample_self(model, max(n_tokens // seq, 1), seq, start_tokens(tokenizer), seed=seed)
+        return sample_self(model, max(n_tokens // seq, 1), seq, start_token(tokenizer), seed=seed)
     return file_rows(source, tokenizer, n_tokens, key, seed, seq_len, budget_key)
 
 
@@ -91,7 +86,7 @@ class StepRows:
     def __init__(self, source: str, tokenizer, n_rows: int, key: str, seed: int = 0, seq_len: int = SEQ_LEN,
                  rows: torch.Tensor | None = None):
         self.source, self.n_rows, self.seed, self.seq_len = source, n_rows, seed, seq_len
-        self.start_id = start_tokens(tokenizer)
+        self.start_id = start_token(tokenizer)
         self.rows = rows if rows is not None or source == SELF else file_rows(source, tokenizer, None, key, seed,
                                                                                   seq_len)
         self.per_pool = max(1, max(SAMPLE_BATCH, n_rows) // n_rows)  # steps one sampled pool serves

@@ -74,10 +74,9 @@ def student_hidden(model):
 
 
 @torch.no_grad()
-def sample_self(model, n_sequences: int, length: int, start_id: int | tuple[int, ...], temperature: float = 1.0,
-                seed: int = 0, batch_size: int = 64) -> torch.Tensor:
-    """(n_sequences, length) token ids sampled from the unconverted model, each row starting with `start_id`
-    (several: row i starts with start_id[i % len(start_id)]).
+def sample_self(model, n_sequences: int, length: int, start_id: int, temperature: float = 1.0, seed: int = 0,
+                batch_size: int = 64) -> torch.Tensor:
+    """(n_sequences, length) token ids sampled from the unconverted model, each row starting with `start_id`.
 
     Incremental decoding through the HF layers with a `DynamicCache` (one new token per step; its
     query sees every cached key, so no mask is needed; a sliding window is not applied, which only
@@ -96,8 +95,7 @@ def sample_self(model, n_sequences: int, length: int, start_id: int | tuple[int,
     rows = []
     for start in range(0, n_sequences, batch_size):
         b = min(batch_size, n_sequences - start)
-        starts = (start_id,) if isinstance(start_id, int) else tuple(start_id)
-        ids = torch.tensor([[starts[(start + i) % len(starts)]] for i in range(b)], dtype=torch.long, device=device)
+        ids = torch.full((b, 1), start_id, dtype=torch.long, device=device)
         cache = DynamicCache(config=model.config)
         out = [ids]
         for t in range(length - 1):
