@@ -26,6 +26,9 @@ COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --
             f"--sweep seq=512,1024,2048,4096 --peers {PEER} --threads 1 --out docs/bench_peer",
             f"revffn bench --model tiny-qwen2-moe --methods {','.join(IN_BACKWARD)} --hidden 256 --batch 4 --layers 16 "
             f"--steps 2 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_in_backward",
+            "revffn bench --model tiny-qwen2-moe --methods revffn,revffn:revffn.recompute_chunk_tokens=1024,"
+            "revffn:revffn.recompute_chunk_tokens=512 --set revffn.adapter_init=coordinate --hidden 256 --batch 4 "
+            f"--layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_chunks",
             "python scripts/memory_timeline.py --out docs/memory_timeline.json",
             "python scripts/benchmarks_page.py"]
 
@@ -196,9 +199,14 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "(518.0 with G chunked and F whole). Not materializing the gradient the loss does not give the first "
               "stream (a zero stream held through the whole backward) and the backward's stream arithmetic in the "
               "recompute's own buffers take 2 to 8 MiB more off: 413.5, 386.1, 532.6 and 466.4 MiB for the rows "
-              "above. revffn's `ckpt` peaks at 348.4 and 586.2. The default stays 4096: "
-              "what smaller chunks cost in tokens/s was not measured on a quiet machine, and on a GPU an MoE chunk "
-              "of 1024 tokens leaves each expert few rows.",
+              "above. revffn's `ckpt` peaks at 348.4 and 586.2. In the bench (peak RSS, [bench_chunks](bench_chunks/sweep.md), "
+              "one thread, nothing else running): seq 512, RevFFN 458.4 MiB with 4096-token chunks, 441.7 with "
+              "1024, 429.4 with 512, against the peer's checkpointing 392.1 (1.17x, 1.13x, 1.10x); tokens/s 222, "
+              "261, 253 against 285. Seq 2048: 571.1, 507.2, 507.0 MiB against 630.4 (**0.906x, 0.805x, 0.804x**); "
+              "tokens/s 190, 181, 183 against 227 (**0.837x, 0.797x, 0.806x**). Smaller chunks buy memory at seq "
+              "2048 and cost 4-5 % of the tokens/s; no chunk size meets both crossover goals (<= 0.80x memory, "
+              ">= 0.85x tokens/s), so the default stays 4096 (on a GPU an MoE chunk of 1024 tokens also leaves "
+              "each expert few rows).",
               "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports: it "
               "includes what glibc's allocator keeps after frees, library code paged in while running, and "
               "transient buffers, so it sits above the estimate's held-tensor total. Most of the gap is the "
