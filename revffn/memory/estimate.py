@@ -333,12 +333,18 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     _check_data_parallel(method, world_size, distributed, in_backward, offload, optimizer)
     s = dtype_bytes(dtype)
     ctx = context(config, batch, seq, s, opts.pop("padded"), opts.pop("attn_implementation"))
+    unchunked = distributed == "fsdp" and bool(opts.get("recompute_chunk_tokens"))
+    if unchunked:  # training recomputes each branch whole under FSDP2 (`training.parallel.shard_model`)
+        opts["recompute_chunk_tokens"] = 0
     terms = method.memory_terms(ctx, **opts)
     B, T, m = ctx.B, ctx.T, ctx.m
     notes = [f"attention: {ctx.impl}" + (" (no T x T probabilities kept)" if ctx.impl != "eager" else
                                          " (B x heads x T x T probabilities kept in fp32)")
              + (", padded batches: mask given, k/v repeated to all heads" if ctx.padded else ", no attention mask"),
              *terms.notes]
+    if unchunked:
+        notes.append("fsdp: the backward recomputes each branch whole (FSDP2 reduce-scatters a unit's gradient after "
+                     "each call, so recompute_chunk_tokens does not apply)")
     total_params, trainable = ctx.counts["total"] + terms.extra_params, terms.trainable
     a = terms.trainable_bytes or s
     weights = (total_params - trainable) * s + trainable * a

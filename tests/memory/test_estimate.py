@@ -182,6 +182,9 @@ def test_revffn_recompute_chunks_shrink_the_attention_working_set_by_whole_seque
     assert attn_one_seq < by_two / 2 and working(8, 2048, 1024) > attn_one_seq
     notes = estimate(config, "revffn", 8, 2048, "bfloat16")["notes"]
     assert any("its attention's by chunks of 2 sequences" in n for n in notes)
+    fsdp = estimate(config, "revffn", 8, 2048, "bfloat16", world_size=2, distributed="fsdp")  # training: whole
+    assert fsdp["recompute_working_set"] == eight
+    assert any("recomputes each branch whole" in n for n in fsdp["notes"])
 
 
 def test_unknown_preset_method_and_option():
