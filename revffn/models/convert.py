@@ -360,7 +360,7 @@ class RevFFNForCausalLM(nn.Module):
             whole batch at once). A block whose G drew random numbers (dropout, router jitter) or
             made a choice not per token is recomputed whole (`RevBlock._g_splits`). The attention
             branch F is recomputed by chunks of whole sequences of at most as many tokens (at least
-            one sequence; `RevBlock._f_chunk`).
+            one sequence; `RevBlock._f_chunks`).
         debug: `DebugOptions` (routing replay, flip counting, a scope around the decoder stack).
         last_stack_stats: what the last reversible forward's stack reported (routing and RNG record
             bytes and storages, the sub-blocks that drew random numbers, routing flips once its

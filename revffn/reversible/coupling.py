@@ -77,7 +77,7 @@ class PartialGradients:
         the gradient reaching `x` (a leaf). `partial`: more chunks of this backward will add to the same
         parameters (raised for the in-backward optimizer, or, `hookless`, added without firing a hook)."""
         if partial and self.hookless:
-            leaves = _graph_leaves(outputs)
+            leaves = [t for t in _graph_leaves(outputs) if t is not x]
             got = torch.autograd.grad(outputs, [x, *leaves], grads, allow_unused=True)
             for leaf, g in zip(leaves, got[1:]):
                 if g is not None:
@@ -252,36 +252,38 @@ class RevBlock(nn.Module):
 
     def _f_backward(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """F(X_2) recomputed and dY_1 back-propagated through it: by chunks of whole sequences where
-        `_f_chunk` allows (each chunk as many sequences as fit in `sctx.recompute_chunk_tokens` tokens, at
+        `_f_chunks` allows (each chunk as many sequences as fit in `sctx.recompute_chunk_tokens` tokens, at
         least one), so only one chunk's graph is alive at a time, else at once. Returns (F(X_2), the
         gradient reaching X_2), both detached."""
-        rows = self._f_chunk(X_2, record, sctx)
-        if rows is None:
+        chunks = self._f_chunks(X_2, record, sctx)
+        if chunks is None:
             return self._f_recompute(X_2, dY_1, sctx, record)
-        B, T = X_2.shape[:2]
         f_X_2, dX_2 = torch.empty_like(X_2), torch.empty_like(X_2)
-        spans = [slice(a, min(a + rows, B)) for a in range(0, B, rows)]
-        for i, span in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
-            f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], sctx.batch_rows(span, B, T), record,
-                                                        partial=i + 1 < len(spans))
-        sctx.stats.setdefault("f_recompute_chunks", {})[self.layer_idx] = len(spans)
+        for i, (span, chunk_ctx) in enumerate(chunks):  # all but the last add to grads more chunks will add to
+            f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], chunk_ctx, record,
+                                                        partial=i + 1 < len(chunks))
+        sctx.stats.setdefault("f_recompute_chunks", {})[self.layer_idx] = len(chunks)
         return f_X_2, dX_2
 
-    def _f_chunk(self, X_2: torch.Tensor, record: SubBlockRecord, sctx: StackContext) -> int | None:
-        """Sequences per chunk of F's recomputation, or None for the whole batch: chunking is asked for
-        and would split (more than `recompute_chunk_tokens` tokens in a batch of several sequences); F
-        computes each sequence from that sequence alone (`f_batch_wise`); its record is empty (no choice
-        and no random numbers: a chunk would make or draw its own); and every mask and position embedding
-        slices by sequence (`StackContext.batch_rows`). Otherwise F is recomputed whole, silently."""
+    def _f_chunks(self, X_2: torch.Tensor, record: SubBlockRecord,
+                  sctx: StackContext) -> list[tuple[slice, StackContext]] | None:
+        """The chunks of F's recomputation (sequences, and the context sliced to them), or None for the
+        whole batch: chunking is asked for and would split (more than `recompute_chunk_tokens` tokens in a
+        batch of several sequences); F computes each sequence from that sequence alone (`f_batch_wise`); its
+        record is empty (no choice and no random numbers: a chunk would make or draw its own); and every
+        mask and position embedding slices by sequence (`StackContext.batch_rows`). Otherwise F is
+        recomputed whole, silently."""
         n = sctx.recompute_chunk_tokens
         if not (self.f_batch_wise and n > 0 and X_2.dim() == 3 and X_2.shape[0] > 1 and X_2.shape[:2].numel() > n
                 and not record.choices and record.rng is None):
             return None
         B, T = X_2.shape[:2]
         rows = max(1, n // T)
-        if rows >= B or sctx.batch_rows(slice(0, rows), B, T) is None:
+        if rows >= B:
             return None
-        return rows
+        spans = [slice(a, min(a + rows, B)) for a in range(0, B, rows)]
+        chunks = [(span, sctx.batch_rows(span, B, T)) for span in spans]
+        return None if any(c is None for _, c in chunks) else chunks
 
     def _f_recompute(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord,
                      partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,20 +357,23 @@ def _shares_storage(t: torch.Tensor, others) -> bool:
     return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
+def _owns(buffer: torch.Tensor, other: torch.Tensor, keep) -> bool:
+    """Whether `buffer` may take the result of an op with `other`: the same shape and dtype, not a view, and
+    no storage shared with a tensor in `keep` (a sub-block's recomputed output or input gradient, which its
+    backward has released), so that the backward allocates no stream for the result."""
+    return (buffer.shape == other.shape and buffer.dtype == other.dtype and buffer._base is None
+            and not _shares_storage(buffer, keep))
+
+
 def _subtract_from(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
-    """a - b, written into b's buffer when b owns it (a sub-block's recomputed output, which its
-    backward has released; not a view of any tensor in `keep`), so that the backward allocates no
-    stream for it: the reversible backward's peak holds a few (B, T, width) streams less."""
-    if b.shape != a.shape or b.dtype != a.dtype or b._base is not None or _shares_storage(b, keep):
-        return a - b
-    return b.neg_().add_(a)
+    """a - b, written into b's buffer when it `_owns` it: the reversible backward's peak holds a few
+    (B, T, width) streams less."""
+    return b.neg_().add_(a) if _owns(b, a, keep) else a - b
 
 
 def _add_into(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
-    """a + b, written into a's buffer when a owns it (as `_subtract_from`)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a._base is not None or _shares_storage(a, keep):
-        return a + b
-    return a.add_(b)
+    """a + b, written into a's buffer when it `_owns` it."""
+    return a.add_(b) if _owns(a, b, keep) else a + b
 
 
 def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
