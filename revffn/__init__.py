@@ -8,7 +8,7 @@
     model = revffn.load("runs/quickstart/final")   # a trained run's final/ directory
 """
 
-from revffn.models.convert import RevFFNForCausalLM, convert
+from revffn.conversion.convert import RevFFNForCausalLM, convert
 from revffn.models.loading import load
 from revffn.models.presets import TINY_PRESETS, tiny_model
 

@@ -64,7 +64,7 @@ def _nonnegative_float(s: str) -> float:
 
 
 def _heal_lr(s: str) -> float | None:
-    """`auto` (None: measured, `training.conversion.probe_heal_lr`) or a positive learning rate."""
+    """`auto` (None: measured, `training.export.probe_heal_lr`) or a positive learning rate."""
     if s == "auto":
         return None
     try:
@@ -228,7 +228,7 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from revffn.training.conversion import HEAL_TARGET, ConvertSpec, run_convert
+    from revffn.training.export import HEAL_TARGET, ConvertSpec, run_convert
 
     spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
@@ -250,9 +250,9 @@ def cmd_convert(args) -> int:
 
 
 def cmd_upcycle(args) -> int:
+    from revffn.conversion.upcycle import upcycle_into
     from revffn.models.cache import check_replaceable, staged_dir
     from revffn.models.loading import check_model_ref, resolve_model_ref
-    from revffn.models.upcycle import upcycle_into
 
     check_model_ref(args.model, "MODEL")
     out = Path(args.out)
@@ -303,8 +303,8 @@ def cmd_validate(args) -> int:
 def _load_for_cli(model_dir: str, seed: int = 0):
     """A final/ directory, any HF directory, a Hub ID, builtin:base, or a tiny preset (random init, shipped
     tokenizer)."""
+    from revffn.conversion.causal_lm import CausalLM
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.causal_lm import CausalLM
     from revffn.models.loading import check_model_ref, load, load_hf, resolve_model_ref
     from revffn.models.presets import TINY_PRESETS
 

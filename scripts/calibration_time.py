@@ -4,7 +4,7 @@
         --out docs/calibration_time.json
 
 Builds the config-only geometry with `--layers` decoder layers (random weights: the fit's cost does
-not depend on them), converts it, and runs the calibrated init (`models.calibrate.calibrate`, the
+not depend on them), converts it, and runs the calibrated init (`conversion.calibrate.calibrate`, the
 default sequential mode) on `--tokens` random token ids in rows of 128. The time scales linearly in
 tokens and in layers (each layer's passes are single-layer passes over the kept layer inputs), so
 the figure is wall_s / layers / tokens × 1M. Threads: torch's default (all cores).
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from revffn.conversion.calibrate import calibrate
+from revffn.conversion.convert import convert
 from revffn.data.calibration import SEQ_LEN, row_batches
-from revffn.models.calibrate import calibrate
-from revffn.models.convert import convert
 from revffn.models.loading import build_hf
 
 

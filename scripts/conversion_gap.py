@@ -62,12 +62,12 @@ def plain_rows(model: str = "builtin:base", eval_data: str = "builtin:retention_
     """base, and the uncalibrated inits (no data involved), at each stream width, measured on `device`."""
     import torch
 
+    from revffn.conversion.causal_lm import CausalLM
+    from revffn.conversion.convert import convert
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.causal_lm import CausalLM
-    from revffn.models.convert import convert
     from revffn.models.loading import load_hf, resolve_model_ref
-    from revffn.training.conversion import convert_device
     from revffn.training.evaluate import retention_loss
+    from revffn.training.export import convert_device
 
     tok = load_tokenizer(resolve_model_ref(model))
     dev = convert_device(device)

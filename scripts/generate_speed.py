@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from revffn.conversion.causal_lm import CausalLM
+from revffn.conversion.convert import convert
 from revffn.data.templates import chat_prompts
 from revffn.data.tokenizer import load_tokenizer
-from revffn.models.causal_lm import CausalLM
-from revffn.models.convert import convert
 from revffn.models.generation import generate_ids
 from revffn.models.loading import load_hf
 from revffn.models.presets import TINY_PRESETS

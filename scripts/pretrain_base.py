@@ -119,8 +119,8 @@ def main() -> None:
         write_docs(info, Path(args.work) / "run" / "metrics.jsonl", Path(args.docs))
         return
 
+    from revffn.conversion.convert import convert
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.convert import convert
     from revffn.models.loading import load
     from revffn.training.config import load_config
     from revffn.training.evaluate import retention_loss

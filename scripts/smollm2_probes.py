@@ -155,7 +155,7 @@ def _load(model: str, gguf: str | None):
         return _load_for_cli(model)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from revffn.models.causal_lm import CausalLM
+    from revffn.conversion.causal_lm import CausalLM
 
     path = Path(gguf)
     kw = {"gguf_file": path.name}

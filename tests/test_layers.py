@@ -1,7 +1,7 @@
 """The package's layer order, as the folders show it: imports only go down, never up, no cycles.
 
-    errors, progress -> schema -> reversible -> archs -> models -> memory -> data -> methods -> training
-    -> reports -> cli
+    errors, progress -> schema -> reversible -> archs -> conversion -> models -> memory -> data -> methods
+    -> training -> reports -> cli
 
 Every `import revffn.X` / `from revffn.X import ...` counts, also the ones inside functions (a lazy
 import is still a dependency).
@@ -13,14 +13,14 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "revffn"
-LAYERS = [("errors", "progress"), ("schema",), ("reversible",), ("archs",), ("models",), ("memory",), ("data",),
-          ("methods",), ("training",), ("reports",), ("cli",)]
+LAYERS = [("errors", "progress"), ("schema",), ("reversible",), ("archs",), ("conversion",), ("models",), ("memory",),
+          ("data",), ("methods",), ("training",), ("reports",), ("cli",)]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 ENTRY_POINTS = {"__init__", "__main__"}  # the package's public surface and `python -m revffn`: above every layer
 
 
 def unit(module: str) -> str:
-    """'revffn.models.convert' -> 'models'; 'revffn.cli' -> 'cli'; 'revffn' -> '__init__'."""
+    """'revffn.conversion.convert' -> 'models'; 'revffn.cli' -> 'cli'; 'revffn' -> '__init__'."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -14,6 +14,11 @@ from revffn.archs.layout import missing_pieces
 from revffn.archs.spec import ArchSpec, get_path
 from revffn.errors import UserError
 
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+            "moe_intermediate_size")
+# sub-configs that hold the MoE keys of a type that is not also swept as its own `*_text` type
+MOE_SUBCONFIGS = ("ffn_config",)
+
 # the spec files under revffn/archs/, each defining SPEC (or SPECS, a family)
 SPEC_FILES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "afmoe", "kolibri1", "flex_olmo", "granitemoe",
               "granitemoehybrid", "llama4_text", "cohere2_moe", "dbrx", "jetmoe", "qwen3_next", "jamba", "lfm2_moe",
@@ -50,3 +55,9 @@ def spec_for(hf_model) -> ArchSpec:
         f"causal LM with that standard layout). "
         f"Fix: use one of these architectures, or add a spec file under revffn/archs/ naming its pieces."
     )
+
+
+def has_moe_keys(config: dict) -> bool:
+    """Whether an HF config (as a dict) describes a Mixture-of-Experts model: it has an expert-count key."""
+    return any(k in config for k in MOE_KEYS) or any(isinstance(config.get(s), dict) and has_moe_keys(config[s])
+                                                       for s in MOE_SUBCONFIGS)

@@ -2,7 +2,7 @@
 
 Both need general text: adapters fitted or healed on a narrow task distribution lose more of the
 base model than doing nothing (docs/conversion.md). `self` needs no data at all: sequences of
-`SEQ_LEN` tokens sampled at temperature 1 from the pretrained model itself (`models.teacher.sample_self`),
+`SEQ_LEN` tokens sampled at temperature 1 from the pretrained model itself (`conversion.teacher.sample_self`),
 each starting at the document boundary (`start_token`). A file's examples are rendered as training renders them
 (text + eos; chats through the template), shuffled, concatenated and cut into rows of `SEQ_LEN`.
 
@@ -15,10 +15,10 @@ import random
 
 import torch
 
+from revffn.conversion.teacher import sample_self
 from revffn.data.collate import CHARS_PER_TOKEN_CAP, _encode
 from revffn.data.formats import load_examples
 from revffn.errors import UserError
-from revffn.models.teacher import sample_self
 
 SELF = "self"
 SEQ_LEN = 128  # tokens per calibration / heal row
@@ -105,5 +105,5 @@ class StepRows:
 
 
 def row_batches(rows: torch.Tensor, batch_size: int = 32):
-    """A re-iterable source of (input_ids, None) batches over `rows` (what `models.calibrate` passes over)."""
+    """A re-iterable source of (input_ids, None) batches over `rows` (what `conversion.calibrate` passes over)."""
     return lambda: ((rows[i : i + batch_size], None) for i in range(0, rows.shape[0], batch_size))

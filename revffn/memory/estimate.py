@@ -9,7 +9,7 @@ Needs only an HF config (never weights). Bytes, per training step:
   ``activations_forward`` (what a `saved_tensors_hooks` log around the forward counts) plus, for
   methods that recompute (``ckpt``, ``revffn``), ``recompute_working_set``: the tensors one layer
   saves while its backward re-runs it. ``revffn`` includes ``routing_records`` (also reported).
-- ``logits``: one chunk of the chunked cross-entropy (`revffn.models.loss`), logits and their grad.
+- ``logits``: one chunk of the chunked cross-entropy (`revffn.conversion.loss`), logits and their grad.
 - ``overhead``: a fixed 5% of the rest.
 
 Every term is per GPU; ``batch`` is the per-GPU batch. Data-parallel (``distributed``, over ``world_size``

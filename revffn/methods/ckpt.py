@@ -14,9 +14,9 @@ from pathlib import Path
 
 from torch import nn
 
+from revffn.conversion.causal_lm import CausalLM
 from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.methods.base import Method, export_hf, non_router_parameters
-from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
 

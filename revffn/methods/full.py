@@ -10,8 +10,8 @@ from pathlib import Path
 
 from torch import nn
 
+from revffn.conversion.causal_lm import CausalLM
 from revffn.methods.base import Method, export_hf, non_router_parameters
-from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
 

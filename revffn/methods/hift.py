@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 from revffn.archs.spec import get_path
+from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms, unit_params
 from revffn.memory.saved import hift_saved
 from revffn.methods.base import Method, export_hf, set_requires_grad
-from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
 STRATEGIES = {"bottom2up": "bottom2up", "down2up": "bottom2up", "top2down": "top2down", "up2down": "top2down",

@@ -31,11 +31,11 @@ from pathlib import Path
 from torch import nn
 
 from revffn.archs.architectures import spec_for
+from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
 from revffn.methods.base import Method, write_manifest
-from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
 # Linear modules (suffixes of module names): attention and shared-expert / dense-MLP projections.

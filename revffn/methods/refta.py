@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
 from revffn.methods.base import Method, write_manifest
-from revffn.models.causal_lm import CausalLM
 from revffn.schema import Key
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -1,11 +1,11 @@
 """`revffn`: full fine-tuning through reversible blocks, in two stages.
 
 Stage 1 (`adapter_warmup_steps`), the heal: only the projection adapters P_up/P_down (and the skips
-P_skip, `adapter_skip`: see `models.convert.HFRevBlock`) train, the
+P_skip, `adapter_skip`: see `conversion.convert.HFRevBlock`) train, the
 pretrained backbone is frozen, and the loss is KL(unconverted model ‖ converted model) on general
 text (`heal_data`, default `self`: text sampled from the base; no data needed). The teacher is the
-same frozen weights in their original wiring (`models.teacher`), so nothing is copied; `heal_norms`
-trains the blocks' norms too, `heal_hidden_coef` adds the per-layer hidden-state loss (`models.heal`).
+same frozen weights in their original wiring (`conversion.teacher`), so nothing is copied; `heal_norms`
+trains the blocks' norms too, `heal_hidden_coef` adds the per-layer hidden-state loss (`conversion.heal`).
 A run whose stage 1 is all of it (adapter_warmup_steps = max_steps) is a heal: what `revffn convert
 --heal-steps` runs, through the same loop.
 `heal_data: task` is the old warm-up instead: cross-entropy on the task's batches (a measured
@@ -30,16 +30,16 @@ import torch
 from torch import nn
 
 from revffn.archs.spec import get_path
+from revffn.conversion.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalLM, convert
+from revffn.conversion.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
+from revffn.conversion.loss import distill_kl
+from revffn.conversion.teacher import student_hidden, teacher_hidden
 from revffn.data.calibration import SELF
 from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
-from revffn.models.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalLM, convert
-from revffn.models.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.models.hf_remote import save_converted
-from revffn.models.loss import distill_kl
-from revffn.models.teacher import student_hidden, teacher_hidden
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -171,11 +171,11 @@ class RevFFNMethod(Method):
                         stream_width=self.opts["stream_width"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         if self.opts["adapter_init"] == "calibrated" and self.resuming:
-            from revffn.methods.conversion import log_line
+            from revffn.methods.calibration import log_line
 
             log_line("resuming: the checkpoint holds the calibrated adapters; calibration skipped")
         elif self.opts["adapter_init"] == "calibrated":
-            from revffn.methods.conversion import calibrate_for_run
+            from revffn.methods.calibration import calibrate_for_run
 
             self.calibration = calibrate_for_run(model, self.cfg, self.opts)
         return self._prepare_stages(model)
@@ -196,14 +196,14 @@ class RevFFNMethod(Method):
         if opts["adapter_warmup_steps"] and opts["heal_data"] != TASK:
             from revffn.data.calibration import StepRows
             from revffn.data.tokenizer import model_tokenizer
-            from revffn.methods.conversion import check_source
+            from revffn.methods.calibration import check_source
 
             check_source(opts["heal_data"], "revffn.heal_data", (cfg.data, cfg.eval_data))
             self.heal_rows = StepRows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer),
                                       cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
                                       * data_shard()[1], "revffn.heal_data", cfg.seed)
         elif opts["adapter_warmup_steps"]:
-            from revffn.methods.conversion import log_line
+            from revffn.methods.calibration import log_line
 
             log_line("warning: revffn.heal_data=task: stage 1 trains the adapters on the task's batches, which "
                      "loses more of the base than healing on general text (docs/conversion.md). Fix: "
@@ -274,7 +274,7 @@ class RevFFNMethod(Method):
     def _heal_forward(self, model, batch: dict) -> tuple:
         """Stage 1: KL(teacher ‖ student) summed over the positions the labels select, the teacher the
         model's own frozen backbone in its original wiring (its original norms under heal_norms); plus
-        heal_hidden_coef x the per-layer hidden-state loss (`models.heal`), as the step's extra term."""
+        heal_hidden_coef x the per-layer hidden-state loss (`conversion.heal`), as the step's extra term."""
         ids, mask, coef = batch["input_ids"], batch.get("attention_mask"), self.opts["heal_hidden_coef"]
         norms = norm_parameters(model) if self.norm_originals else []
         with original_norms(norms, self.norm_originals or []):

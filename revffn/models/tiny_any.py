@@ -25,12 +25,8 @@ import functools
 import torch
 import transformers
 
+from revffn.archs.architectures import MOE_SUBCONFIGS, has_moe_keys
 from revffn.errors import UserError, closest
-
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
-            "moe_intermediate_size")
-# sub-configs that hold the MoE keys of a type that is not also swept as its own `*_text` type
-MOE_SUBCONFIGS = ("ffn_config",)
 
 # key -> tiny value, applied where the config has the key and its default is a positive int.
 TINY_SIZES: dict[str, int] = {
@@ -124,11 +120,6 @@ def _config_class(model_type: str):
     return CONFIG_MAPPING[model_type]
 
 
-def _has_moe_keys(d: dict) -> bool:
-    return any(k in d for k in MOE_KEYS) or any(isinstance(d.get(s), dict) and _has_moe_keys(d[s])
-                                                  for s in MOE_SUBCONFIGS)
-
-
 def _is_model_config(key: str, value) -> bool:
     """A nested model config (`text_config`, `vision_config`, ...: a dict with its own model_type)."""
     return isinstance(value, dict) and bool(value.get("model_type")) and key not in MOE_SUBCONFIGS + SUBCONFIGS
@@ -147,9 +138,9 @@ def _families() -> dict[str, str]:
             d = _config_class(mt)().to_dict()
         except Exception:  # a default that does not validate: judge the class annotations
             d = dict.fromkeys(getattr(_config_class(mt), "__annotations__", {}))
-        if _has_moe_keys(d):
+        if has_moe_keys(d):
             out[mt] = "moe"
-        elif not (isinstance(d.get("text_config"), dict) and _has_moe_keys(d["text_config"])):
+        elif not (isinstance(d.get("text_config"), dict) and has_moe_keys(d["text_config"])):
             out[mt] = "dense"  # (an MoE text_config: the wrapper's decoder is swept as its *_text type)
     return out
 

@@ -47,9 +47,9 @@ from torch.overrides import TorchFunctionMode
 from revffn.archs.architectures import spec_for
 from revffn.archs.layout import check_convertible, logits_transform, reference_layer
 from revffn.archs.spec import config_value, get_path
+from revffn.conversion.convert import convert
+from revffn.conversion.loss import head_logits
 from revffn.errors import UserError
-from revffn.models.convert import convert
-from revffn.models.loss import head_logits
 from revffn.models.tiny_any import STOCHASTIC, model_families, stochastic_keys, tiny_model_for
 from revffn.reports.check import grad_error, make_batch
 

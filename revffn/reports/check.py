@@ -24,8 +24,8 @@ import math
 
 import torch
 
+from revffn.conversion.convert import convert
 from revffn.memory.measure import saved_bytes_of_stack
-from revffn.models.convert import convert
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
 # fp32 streams of a real model: activations in the hundreds (SmolLM2's massive activations) round by more

@@ -117,7 +117,7 @@ class StackContext:
     position_embeddings: object
     masks: dict[str, torch.Tensor | None]
     autocast: AutocastState
-    aux: object | None = None  # a load-balancing accumulator (models.loss.SwitchAux): add/value/surrogate/for_rows
+    aux: object | None = None  # a load-balancing accumulator (conversion.loss.SwitchAux): add/value/surrogate/for_rows
     per_layer_position: bool = False  # position_embeddings is {layer type: embeddings}; see for_layer
     replay_routing: bool = True  # replay the recorded choices; False only to show what replay prevents (tests)
     replay_rng: bool = True  # likewise, for the RNG records

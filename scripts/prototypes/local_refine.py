@@ -13,12 +13,12 @@ import time
 
 import torch
 
+from revffn.conversion.calibrate import _capture_outputs, calibrate
+from revffn.conversion.convert import convert
+from revffn.conversion.teacher import teacher_context, teacher_layer
 from revffn.data.calibration import calibration_rows, row_batches
 from revffn.data.tokenizer import model_tokenizer
-from revffn.models.calibrate import _capture_outputs, calibrate
-from revffn.models.convert import convert
 from revffn.models.loading import load_hf
-from revffn.models.teacher import teacher_context, teacher_layer
 from revffn.training.evaluate import retention_loss
 
 BATCH = 8

@@ -3,7 +3,7 @@
 Prototype behind docs/conversion.md ("`self` text on an instruct model"): which sampled text calibrates the dense
 builtin:smollm2 best. START: eos (the tokenizer's eos, `<|im_end|>` on this instruct model) | doc (`<|endoftext|>`,
 the pretraining corpus's document separator). TEMP: the sampling temperature. The model is converted at full width
-with the skips, calibrated in closed form on TOKENS sampled tokens (`models.calibrate`), and scored on
+with the skips, calibrated in closed form on TOKENS sampled tokens (`conversion.calibrate`), and scored on
 builtin:pydoc_text (LIMIT 32: its first 32 documents, base 3.002; all: every one, base 2.940).
 """
 
@@ -13,12 +13,12 @@ import time
 
 import torch
 
+from revffn.conversion.convert import convert
+from revffn.conversion.teacher import sample_self
 from revffn.data.calibration import SEQ_LEN, row_batches
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models import calibrate as C
-from revffn.models.convert import convert
 from revffn.models.loading import load_hf
-from revffn.models.teacher import sample_self
 from revffn.training.evaluate import retention_loss
 
 

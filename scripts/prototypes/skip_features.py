@@ -3,7 +3,7 @@
 Prototype behind docs/conversion.md ("Calibration levers on SmolLM2"): what the full-width skips read, and the
 ridge. VARIANT: raw (the skip reads the stream X, as built) | norm ([X, X/rms(X)]) | onlynorm (X/rms(X)) | bias
 ([X, 1]) | normbias. The dense builtin:smollm2 is converted at full width, calibrated in closed form on TOKENS of
-builtin:pydoc_calibration (`models.calibrate`, which reads a skip's `features`), and scored on builtin:pydoc_text
+builtin:pydoc_calibration (`conversion.calibrate`, which reads a skip's `features`), and scored on builtin:pydoc_text
 (LIMIT=32: the first 32 documents; all: every one).
 """
 
@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+from revffn.conversion.convert import convert
 from revffn.data.calibration import calibration_rows, row_batches
 from revffn.data.tokenizer import model_tokenizer
 from revffn.models import calibrate as C
-from revffn.models.convert import convert
 from revffn.models.loading import load_hf
 from revffn.training.evaluate import retention_loss
 
@@ -27,7 +27,7 @@ RIDGE, RMODE = float(os.environ.get("RIDGE", "1e-3")), os.environ.get("RMODE", "
 
 
 class FeatSkip(nn.Module):
-    """A skip whose weight multiplies `features(x)` (what `models.calibrate` fits it on)."""
+    """A skip whose weight multiplies `features(x)` (what `conversion.calibrate` fits it on)."""
 
     def __init__(self, d: int, kind: str):
         super().__init__()

@@ -16,8 +16,8 @@ from torch import nn
 from revffn import convert
 from revffn.archs.architectures import spec_for
 from revffn.archs.layout import check_convertible
+from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
-from revffn.models.causal_lm import CausalLM
 from revffn.models.tiny_any import tiny_model_for
 from revffn.reports.archs import compare, layout_gaps
 from revffn.reports.check import make_batch

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
+from revffn.conversion.convert import convert
+from revffn.conversion.loss import causal_lm_loss
 from revffn.errors import UserError
 from revffn.memory.estimate import count_params, fits, format_estimate, parse_size
 from revffn.memory.estimate import estimate as estimate_of
 from revffn.memory.measure import SavedTensorLog
 from revffn.methods import method_class
-from revffn.models.convert import convert
 from revffn.models.loading import config_presets, hf_config
-from revffn.models.loss import causal_lm_loss
 from revffn.models.presets import tiny_model
 from revffn.reports.check import make_batch
 from tests.conftest import GENERIC, REQUIRED

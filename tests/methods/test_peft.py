@@ -9,8 +9,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
-from revffn.models.causal_lm import CausalLM
 from revffn.models.loading import load
 from tests.methods._util import batch, build, changed, config, snapshot, step
 

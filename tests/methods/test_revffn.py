@@ -81,7 +81,7 @@ def test_distill_term_is_kl_to_the_frozen_original():
         ref_teacher = original(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         out, extra = run.method.forward(run.model, mb, step=3)
         student = run.model(mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-    from revffn.models.teacher import teacher_logits
+    from revffn.conversion.teacher import teacher_logits
 
     drifted = teacher_logits(run.model, mb["input_ids"], mb["attention_mask"])
     assert (drifted - ref_teacher).abs().max() > 1e-2  # so a teacher that drifted with training would fail
@@ -166,11 +166,11 @@ def test_a_resume_does_not_calibrate_and_keeps_the_calibration_report(tmp_path, 
     import json
     import shutil
 
-    from revffn.methods import conversion
+    from revffn.methods import calibration
 
     calls = []
-    real = conversion.calibrate_model
-    monkeypatch.setattr(conversion, "calibrate_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = calibration.calibrate_model
+    monkeypatch.setattr(calibration, "calibrate_model", lambda *a, **k: calls.append(1) or real(*a, **k))
     args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_init=calibrated",
             "revffn.calibration_data=self", "revffn.calibration_tokens=512", "revffn.adapter_warmup_steps=2",
             "data=builtin:reversal_train",

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from torch import nn
 
+from revffn.conversion.causal_lm import CausalLM
 from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.memory.saved import FULL, layer_saved, outside_saved
 from revffn.methods import register
 from revffn.methods.base import Method, export_hf
-from revffn.models.causal_lm import CausalLM
 
 
 class ToyMethod(Method):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from revffn.conversion.causal_lm import CausalLM
+from revffn.conversion.convert import RevFFNForCausalLM, convert
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
-from revffn.models.causal_lm import CausalLM
-from revffn.models.convert import RevFFNForCausalLM, convert
 from revffn.models.loading import SHIPPED_MODELS, check_model_ref, load_hf, resolve_model_ref
 from revffn.training.evaluate import retention_loss
 

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from revffn.cli import _load_for_cli, main
+from revffn.conversion.convert import convert
 from revffn.data.templates import chat_prompts
 from revffn.methods.base import write_manifest
-from revffn.models.convert import convert
 from revffn.models.generation import generate_ids, stop_ids
 from revffn.models.hf_remote import AUTO_MAP, REMOTE_FILES, RevFFNConfig, save_converted
 from revffn.models.loading import hf_config, load

@@ -188,7 +188,7 @@ def test_every_choice_on_values_is_recorded():
     """The types whose choices the backward used to take afresh (a router at `mlp.router`, an
     indexer's top-k in attention, a `max(dim)` sparse mixer, a sink's max): the engine now records
     every one of them; the same forward on the plain twin shows that the choices are there."""
-    from revffn.models.convert import convert
+    from revffn.conversion.convert import convert
     from revffn.models.tiny_any import tiny_model_for
     from revffn.reports.archs import _step
     from revffn.reports.check import make_batch

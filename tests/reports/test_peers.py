@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from revffn import cli
-from revffn.models.causal_lm import CausalLM
+from revffn.conversion.causal_lm import CausalLM
 from revffn.models.loading import build_hf
 from revffn.reports.bench import BenchSpec, worker_args
 from revffn.reports.workers import peer

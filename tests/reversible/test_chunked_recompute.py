@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from revffn import convert, tiny_model
-from revffn.models.convert import DebugOptions
+from revffn.conversion.convert import DebugOptions
 from tests.conftest import GENERIC, REQUIRED
 from tests.reversible.test_replay import K, near_tie_model
 from tests.reversible.test_rng import NoisyRouter

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from revffn import convert, tiny_model
-from revffn.models.convert import DebugOptions
-from revffn.models.loss import SwitchAux
+from revffn.conversion.convert import DebugOptions
+from revffn.conversion.loss import SwitchAux
 from revffn.models.tiny_any import tiny_model_for
 
 

@@ -157,7 +157,7 @@ def test_parameters_are_not_inputs_of_the_reversible_function():
     """The known-wrong DDP setup (every parameter an input of `RevStackFunction`: 'marked ready twice',
     or with static_graph silently wrong gradients) is not used: the Function's backward node has edges
     to the two streams and the anchor only, never to a parameter's AccumulateGrad."""
-    from revffn.models.convert import convert
+    from revffn.conversion.convert import convert
     from revffn.models.loading import load_hf
 
     torch.manual_seed(0)

@@ -68,9 +68,9 @@ def test_one_module_builds_optimizers():
 
 
 def test_the_count_sees_a_second_loop(tmp_path):
-    fake = tmp_path / "revffn" / "models"
+    fake = tmp_path / "revffn" / "conversion"
     fake.mkdir(parents=True)
     (fake / "heal.py").write_text("import torch\n\ndef heal(model):\n    opt = torch.optim.AdamW(model.parameters())\n"
                                   "    for _ in range(3):\n        opt.step()\n")
-    assert step_sites(tmp_path / "revffn") == {"revffn/models/heal.py:heal"}
-    assert optimizer_builders(tmp_path / "revffn") == {"revffn/models/heal.py"}
+    assert step_sites(tmp_path / "revffn") == {"revffn/conversion/heal.py:heal"}
+    assert optimizer_builders(tmp_path / "revffn") == {"revffn/conversion/heal.py"}

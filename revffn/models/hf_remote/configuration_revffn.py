@@ -3,7 +3,7 @@
     AutoModelForCausalLM.from_pretrained("runs/quickstart/final", trust_remote_code=True)
 
 `text_config` is the base model's own config (qwen2_moe, mixtral, ...): the converted model is that
-architecture with each decoder layer inside a reversible block (`revffn.models.convert`), so
+architecture with each decoder layer inside a reversible block (`revffn.conversion.convert`), so
 transformers' generation machinery (its KV cache, `get_text_config()`) reads the base's geometry
 from it. This file is copied verbatim into `final/` (`revffn.models.hf_remote.save_converted`) and
 `config.json` names it under `auto_map`.

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from revffn.models.convert import convert
+from revffn.conversion.convert import convert
 
 from .configuration_revffn import RevFFNConfig
 

@@ -97,8 +97,8 @@ def forgetting(job: dict, model, tok, prefix: str = "") -> dict:
 def losses_before_training(job: dict, method) -> dict:
     """Retention loss (and probe accuracy) of the base (`measure_base`) and of `method`'s prepared model at
     init (`gap_init`: converted at prepare, or the study's converted directory `model`)."""
+    from revffn.conversion.causal_lm import CausalLM
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.causal_lm import CausalLM
     from revffn.models.loading import load, load_hf, resolve_model_ref
 
     base = _base(job)

@@ -1,7 +1,7 @@
 """Calibrated adapter init: ridge least squares, layer by layer, so the converted streams track the
 original model's hidden states in the original coordinates.
 
-For layer l the teacher (the HF layer in its original wiring, `models.teacher`) gives
+For layer l the teacher (the HF layer in its original wiring, `conversion.teacher`) gives
 
     h_l (layer input),  A_l = Attn(norm(h_l)),  a_l = h_l + A_l,  M_l = MoE(norm(a_l)),  h_{l+1} = a_l + M_l
 
@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from revffn.models.teacher import teacher_context, teacher_layer
+from revffn.conversion.teacher import teacher_context, teacher_layer
 
 ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")  # one fit each (P_down_*: with its skip)
 SKIP_OF = {"p_down_attn": "p_skip_attn", "p_down_moe": "p_skip_moe"}

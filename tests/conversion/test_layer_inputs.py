@@ -7,8 +7,8 @@ import torch
 
 from revffn import convert
 from revffn.archs.spec import ArchSpec
+from revffn.conversion.convert import RopePlan
 from revffn.errors import UserError
-from revffn.models.convert import RopePlan
 from revffn.models.tiny_any import tiny_model_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

@@ -104,8 +104,8 @@ def test_coordinate_init_keeps_what_the_pretrained_layers_know():
     """On the shipped pretrained base: `coordinate` must beat `zero` (the layerless model: embedding ->
     final norm -> head), so the converted layers still contribute, and `random` (noise, about the
     uniform ln V). On random weights every init scores about ln V, so this needs trained weights."""
+    from revffn.conversion.causal_lm import CausalLM
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.causal_lm import CausalLM
     from revffn.models.loading import load_hf, resolve_model_ref
     from revffn.training.evaluate import retention_loss
 
@@ -125,7 +125,7 @@ def test_full_width_streams_carry_the_whole_residual():
     """`stream_width="full"`: both streams start as the embedding output, d wide; there is no P_up; with
     `coordinate` (P_down = I, skips 0) layer 0's Y_1 is the pretrained post-attention state h_0 + Attn(h_0)
     exactly, and the head reads Y_2. An unknown width is refused naming the key."""
-    from revffn.models.teacher import teacher_context
+    from revffn.conversion.teacher import teacher_context
 
     torch.manual_seed(0)
     model = convert(tiny_model("tiny-mixtral", num_hidden_layers=2), adapter_skip=True, stream_width="full").eval()

@@ -1,17 +1,17 @@
-"""Calibrated adapter init (`revffn.models.calibrate`): it closes most of the conversion gap of the
+"""Calibrated adapter init (`revffn.conversion.calibrate`): it closes most of the conversion gap of the
 shipped base, its memory does not grow with the calibration tokens, and parity still holds after it."""
 
 import pytest
 import torch
 
+from revffn.conversion.calibrate import RidgeFit, calibrate
+from revffn.conversion.convert import convert
+from revffn.conversion.teacher import sample_self
 from revffn.data.calibration import calibration_rows, file_rows, row_batches
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
-from revffn.models.calibrate import RidgeFit, calibrate
-from revffn.models.convert import convert
 from revffn.models.loading import load_hf, resolve_model_ref
 from revffn.models.presets import tiny_model
-from revffn.models.teacher import sample_self
 from revffn.training.evaluate import retention_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from revffn.cli import main
+from revffn.conversion.calibrate import calibrate
+from revffn.conversion.convert import convert
+from revffn.conversion.heal import norm_parameters
 from revffn.data.calibration import calibration_rows, row_batches
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
-from revffn.models.calibrate import calibrate
-from revffn.models.convert import convert
-from revffn.models.heal import norm_parameters
 from revffn.models.loading import is_converted, load, load_hf, resolve_model_ref
 from revffn.models.presets import tiny_model
-from revffn.training.conversion import PROBE_LRS, ConvertSpec, heal_config, heal_converted, probe_heal_lr
 from revffn.training.evaluate import retention_loss
+from revffn.training.export import PROBE_LRS, ConvertSpec, heal_config, heal_converted, probe_heal_lr
 from revffn.training.step import build_run
 
 TRAIN = ["method=revffn", "max_steps=2", "revffn.adapter_warmup_steps=1", "data=builtin:commas_train",

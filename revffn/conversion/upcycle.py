@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from revffn.archs.architectures import has_moe_keys
 from revffn.errors import UserError
 from revffn.progress import progress
 
@@ -51,12 +52,10 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 def check_upcycle(config, experts: int, top_k: int, arch: str, key: str = "model") -> None:
     """Refuse what cannot equal the dense model at init (see the module docstring), before any weight is read."""
-    from revffn.models.tiny_any import _has_moe_keys
-
     mt = config.model_type
     if arch not in TARGETS:
         raise UserError(f"--arch: unknown target {arch!r}. Fix: --arch mixtral or --arch qwen2_moe.")
-    if _has_moe_keys(config.to_dict()):
+    if has_moe_keys(config.to_dict()):
         raise UserError(f"{key}: {mt!r} is already a Mixture-of-Experts model; upcycling turns a dense model into an "
                         "MoE. Fix: fine-tune it directly (revffn train model=...), or upcycle its dense original.")
     if mt not in SOURCES:

@@ -1,6 +1,6 @@
 """Calibrate a converted model from a data source: what `revffn.adapter_init: calibrated` and
-`revffn convert` run (the maths is in `models.calibrate`; the heal is the revffn method's stage 1,
-`models.heal`, run by the training loop's step).
+`revffn convert` run (the maths is in `conversion.calibrate`; the heal is the revffn method's stage 1,
+`conversion.heal`, run by the training loop's step).
 
 A source is `self` (text sampled from the unconverted model: no data), a data file or a `builtin:`
 set. Task data alone is a measured failure (docs/conversion.md: fitted or healed on `commas_train`
@@ -16,11 +16,11 @@ import time
 
 import torch
 
+from revffn.conversion.calibrate import calibrate
 from revffn.data.calibration import SELF, calibration_rows, is_task_data, row_batches
 from revffn.data.collate import data_shard
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
-from revffn.models.calibrate import calibrate
 from revffn.progress import progress
 
 

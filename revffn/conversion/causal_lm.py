@@ -14,8 +14,8 @@ from torch import nn
 from revffn.archs.architectures import spec_for
 from revffn.archs.layout import logits_transform
 from revffn.archs.spec import get_path
-from revffn.models.convert import RevFFNOutput
-from revffn.models.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
+from revffn.conversion.convert import RevFFNOutput
+from revffn.conversion.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.reversible.replay import RouterTap
 
 

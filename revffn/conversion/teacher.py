@@ -8,7 +8,7 @@ original wiring is still there, weight for weight, with no copy:
 run at full width d on the model's own masks and rotary embeddings (`model._context`). While the
 backbone is frozen (calibration, heal, stage 1) this *is* the unconverted model; once it trains,
 the teacher drifts with it. `teacher_hidden` reproduces the unconverted HF model's logits to float
-rounding (tests/models/test_heal.py). `sample_self` draws text from it at temperature 1 with a KV
+rounding (tests/conversion/test_heal.py). `sample_self` draws text from it at temperature 1 with a KV
 cache: data-free calibration and heal text.
 """
 
@@ -20,6 +20,7 @@ import torch
 
 from revffn.archs.layout import cache_kwarg
 from revffn.archs.spec import get_path
+from revffn.progress import progress
 
 
 def _layer_output(out):
@@ -93,22 +94,24 @@ def sample_self(model, n_sequences: int, length: int, start_id: int, temperature
     was_training = model.training
     model.eval()
     rows = []
-    for start in range(0, n_sequences, batch_size):
-        b = min(batch_size, n_sequences - start)
-        ids = torch.full((b, 1), start_id, dtype=torch.long, device=device)
-        cache = DynamicCache(config=model.config)
-        out = [ids]
-        for t in range(length - 1):
-            h = _embed(model, ids)
-            pos = torch.full((1, 1), t, dtype=torch.long, device=device)
-            pe = rotary(h, pos)
-            for block in blocks:
-                h = _layer_output(block.base_layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
-                                                   use_cache=True, **{key: cache}))
-            logits = head(norm(h[:, -1])).float() / temperature
-            probs = torch.softmax(logits, dim=-1).cpu()
-            ids = torch.multinomial(probs, 1, generator=gen).to(device)
-            out.append(ids)
-        rows.append(torch.cat(out, dim=1))
+    with progress("sampling self text", "token") as bar:  # minutes on a real model on CPU
+        for start in range(0, n_sequences, batch_size):
+            b = min(batch_size, n_sequences - start)
+            ids = torch.full((b, 1), start_id, dtype=torch.long, device=device)
+            cache = DynamicCache(config=model.config)
+            out = [ids]
+            for t in range(length - 1):
+                h = _embed(model, ids)
+                pos = torch.full((1, 1), t, dtype=torch.long, device=device)
+                pe = rotary(h, pos)
+                for block in blocks:
+                    h = _layer_output(block.base_layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe,
+                                                       use_cache=True, **{key: cache}))
+                logits = head(norm(h[:, -1])).float() / temperature
+                probs = torch.softmax(logits, dim=-1).cpu()
+                ids = torch.multinomial(probs, 1, generator=gen).to(device)
+                out.append(ids)
+                bar(start * length + b * (t + 2), n_sequences * length)
+            rows.append(torch.cat(out, dim=1))
     model.train(was_training)
     return torch.cat(rows)[:, :length]

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
+from revffn.conversion.causal_lm import CausalLM
+from revffn.conversion.convert import STREAM_WIDTHS, convert
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
 from revffn.methods.base import write_manifest
-from revffn.methods.conversion import calibrate_model, check_source, log_line, peak_rss_bytes
+from revffn.methods.calibration import calibrate_model, check_source, log_line, peak_rss_bytes
 from revffn.models.cache import check_replaceable
-from revffn.models.causal_lm import CausalLM
-from revffn.models.convert import STREAM_WIDTHS, convert
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype

@@ -1,10 +1,10 @@
 """The heal's maths: stage 1 of the revffn method (`methods.revffn`), which `revffn train` runs and
 `revffn convert --heal-steps` runs through the same loop (`training.step.train_step`).
 
-    loss = KL(teacher ‖ student) per predicted position            (models.loss.distill_kl, chunked)
+    loss = KL(teacher ‖ student) per predicted position            (conversion.loss.distill_kl, chunked)
          + heal_hidden_coef · mean over layers of ‖(Y_1, Y_2) − targets‖² / ‖targets‖²
 
-The teacher is the same pretrained weights in their original wiring (`models.teacher`: each block's
+The teacher is the same pretrained weights in their original wiring (`conversion.teacher`: each block's
 HF decoder layer at full width, under no_grad). Only the adapters train, so the backbone the teacher
 runs is frozen and nothing is copied. With `heal_norms` the RMSNorm weights the converted blocks use
 train too; the teacher then runs on a copy of the original norm weights (2·L·d values), swapped in
@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from revffn.archs.spec import get_path
-from revffn.models.teacher import teacher_context, teacher_layer
+from revffn.conversion.teacher import teacher_context, teacher_layer
 
 
 def norm_parameters(model) -> list[torch.nn.Parameter]:
@@ -51,7 +51,7 @@ def original_norms(params: list[torch.nn.Parameter], originals: list[torch.Tenso
 @torch.no_grad()
 def teacher_states(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The teacher's final hidden states and, per layer, what calibration makes Y_1 and Y_2 track:
-    `model.stream_targets(a_l, h_{l+1})`, a_l = h_l + attention output (see `models.calibrate`)."""
+    `model.stream_targets(a_l, h_{l+1})`, a_l = h_l + attention output (see `conversion.calibrate`)."""
     h, position_ids, sctx = teacher_context(model, input_ids, attention_mask)
     states, seen = [], {}
     for block in model.blocks:

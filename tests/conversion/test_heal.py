@@ -1,15 +1,15 @@
-"""The teacher inside a converted model and the chunked KL (`revffn.models.teacher`, `models.loss`); the heal that
-uses them is tested with `revffn convert` (tests/training/test_conversion.py)."""
+"""The teacher inside a converted model and the chunked KL (`conversion.teacher`, `conversion.loss`); the heal that
+uses them is tested with `revffn convert` (tests/training/test_export.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from revffn.models.convert import convert
+from revffn.conversion.convert import convert
+from revffn.conversion.loss import distill_kl
+from revffn.conversion.teacher import sample_self, student_hidden, teacher_hidden, teacher_logits
 from revffn.models.loading import load_hf
-from revffn.models.loss import distill_kl
 from revffn.models.presets import tiny_model
-from revffn.models.teacher import sample_self, student_hidden, teacher_hidden, teacher_logits
 from tests.conftest import GENERIC, REQUIRED
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

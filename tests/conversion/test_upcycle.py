@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from revffn.cli import main
+from revffn.conversion.upcycle import TOLERANCE, max_logit_delta, upcycle
 from revffn.errors import UserError
-from revffn.models.upcycle import TOLERANCE, max_logit_delta, upcycle
 
 DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=False)
