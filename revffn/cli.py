@@ -294,8 +294,9 @@ def cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides)
     plan = prepare_run(cfg)
     s = plan.train_set.stats
-    print(f"config OK: method={cfg.method} model={cfg.model} device={plan.device}; data: {s['n_examples']} examples, "
-          f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens"
+    data = ("streamed (its first example reads)" if cfg.streaming else f"{s['n_examples']} examples, "
+            f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens")
+    print(f"config OK: method={cfg.method} model={cfg.model} device={plan.device}; data: {data}"
           + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else ""))
     return 0
 

@@ -49,8 +49,10 @@ def is_table(ref: str) -> bool:
     return ref.startswith(HF_PREFIX) or Path(ref).suffix.lower() in BUILDERS or _saved_dir(ref) is not None
 
 
-def load_table(ref: str, key: str):
-    """The `datasets.Dataset` that `ref` names (see the module docstring for the forms).
+def load_table(ref: str, key: str, streaming: bool = False):
+    """The `datasets.Dataset` that `ref` names (see the module docstring for the forms); with `streaming`, the
+    `datasets.IterableDataset` that reads it as it goes (`data.stream`; a save_to_disk directory is memory-mapped
+    already, and streamed over its Arrow files).
 
     Raises:
         UserError: naming `key`, when the source is missing, cannot be read, or lacks the split.
@@ -62,16 +64,18 @@ def load_table(ref: str, key: str):
     try:
         if ref.startswith(HF_PREFIX):
             name, config, split = _hf_args(ref)
-            return datasets.load_dataset(name, config, split=split)
+            return datasets.load_dataset(name, config, split=split, streaming=streaming)
         saved = _saved_dir(ref)
         if saved is not None:
-            return _split_of(datasets.load_from_disk(str(saved[0])), saved[1], ref, key)
+            table = _split_of(datasets.load_from_disk(str(saved[0])), saved[1], ref, key)
+            return table.to_iterable_dataset(num_shards=len(table.cache_files) or 1) if streaming else table
         file = Path(ref).expanduser()
         if not file.is_file():
             raise missing_file(ref, key)
         builder = BUILDERS[file.suffix.lower()]
         features = _text_features(file) if builder == "csv" else None
-        return datasets.load_dataset(builder, data_files=str(file), split="train", features=features)
+        return datasets.load_dataset(builder, data_files=str(file), split="train", features=features,
+                                     streaming=streaming)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         raise UserError(_load_failure(ref, key, e)) from None
     finally:

@@ -79,6 +79,9 @@ SCHEMA: dict[str, Key] = {
                                  "updates are not lost"),
     "max_seq_length": Key(int, 512, "truncate examples to this many tokens", min=2),
     "packing": Key(bool, False, "pack examples into full-length rows"),
+    "streaming": Key(bool, False, "read data (hf: or a table source) as a datasets IterableDataset: each "
+                     "process reads its own shard and tokenizes as it trains, never the whole set in RAM; a "
+                     "resume restarts at the exact example"),
     "dtype": Key(str, "auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16",
                  choices=("auto", "float32", "bfloat16")),
     "device": Key(str, "auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda")),

@@ -127,7 +127,8 @@ class Recipe:
                              resuming=plan.resume_from is not None, method_cls=plan.method)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
         self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
-        self.order = DataOrder(len(plan.train_set.items), cfg.seed)
+        # where the next items come from, resumably: an order over the tokenized set, or the stream itself
+        self.order = plan.train_set if cfg.streaming else DataOrder(len(plan.train_set.items), cfg.seed)
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
         if self.main:  # before the bar: wandb and mlflow print as they start
@@ -175,9 +176,11 @@ class Recipe:
     def _micro_batches(self) -> list[dict]:
         """The step's `gradient_accumulation_steps` micro-batches, in the (resumable) data order: this
         rank's share of each global micro-batch of `per_device_train_batch_size x world` items."""
-        items, bsz, world = self.plan.train_set.items, self.cfg.per_device_train_batch_size, data_shard()[1]
-        return [collate([items[i] for i in shard_rows(self.order.next_indices(bsz * world), bsz)],
-                        self.plan.tokenizer.pad_token_id)
+        bsz, pad = self.cfg.per_device_train_batch_size, self.plan.tokenizer.pad_token_id
+        if self.cfg.streaming:  # each rank reads its own shard of the stream
+            return [collate(self.order.next_items(bsz), pad) for _ in range(self.cfg.gradient_accumulation_steps)]
+        items, world = self.plan.train_set.items, data_shard()[1]
+        return [collate([items[i] for i in shard_rows(self.order.next_indices(bsz * world), bsz)], pad)
                 for _ in range(self.cfg.gradient_accumulation_steps)]
 
     def _log(self, result: StepResult) -> None:

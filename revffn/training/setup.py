@@ -294,9 +294,13 @@ def prepare_run(cfg) -> RunPlan:
     check_optimizer(cfg, device, weights, method)
     model_dir = None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model, weights=False)
     tokenizer = model_tokenizer(model_dir or cfg.model, cfg.tokenizer)
-    train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing, "data")
+    if cfg.streaming:
+        train_set = open_stream(cfg, tokenizer)
+    else:
+        train_set = tokenize_dataset(load_examples(cfg.data, "data"), tokenizer, cfg.max_seq_length, cfg.packing,
+                                     "data")
     step_rows = cfg.per_device_train_batch_size * launched_world() * cfg.gradient_accumulation_steps
-    if step_rows > len(train_set.items):
+    if not cfg.streaming and step_rows > len(train_set.items):
         raise UserError(f"per_device_train_batch_size {cfg.per_device_train_batch_size} x {launched_world()} "
                         f"processes x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {step_rows} rows "
                         f"a step, but data holds {len(train_set.items)}: every step would repeat examples. Fix: a "
@@ -307,6 +311,15 @@ def prepare_run(cfg) -> RunPlan:
                                     "eval_data")
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
                    rejected, method, model_dir)
+
+
+def open_stream(cfg, tokenizer):
+    """`streaming: true`: the run's `TokenStream`, its first item read here (on one process's view of the whole
+    source) so that a source that cannot load, or whose first rows fit no format, fails before any model is built."""
+    from revffn.data.stream import TokenStream
+
+    TokenStream(cfg.data, tokenizer, cfg.max_seq_length, cfg.packing, cfg.seed, shard=(0, 1)).next_items(1)
+    return TokenStream(cfg.data, tokenizer, cfg.max_seq_length, cfg.packing, cfg.seed)
 
 
 def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:
