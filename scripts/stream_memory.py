@@ -2,10 +2,11 @@
 `revffn train` process per row count and mode, its peak RSS from the kernel (`os.wait4`), the same tiny model
 and steps for every row.
 
-    python scripts/stream_memory.py --rows 20000,200000 --out docs/streaming.json
+    python scripts/stream_memory.py --rows 20000,200000,2000000 --whole-up-to 200000 --out docs/streaming.json
 
-Each row count writes a parquet file of that many alpaca examples (about 150 characters each, every one
-distinct) into a scratch directory, then trains `tiny-qwen2-moe` for `--steps` steps on it.
+Each row count writes a parquet file of that many alpaca examples (about 70 characters each, every one
+distinct; row groups of ROW_GROUP rows) into a scratch directory, then trains `tiny-qwen2-moe` for `--steps` steps
+on it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ROW_GROUP = 10_000  # rows per parquet row group: a stream decodes one group at a time (hub files: 10k-100k rows)
 WORDS = "red cat sun rope ink tea map owl fig jam kit log mud net oak pan rag sky tin urn van web yak zip".split()
 
 
@@ -30,7 +32,7 @@ def write_parquet(path: Path, n: int) -> None:
             words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(4 + i % 5)]
             yield {"instruction": f"Example {i}: put commas between: {' '.join(words)}", "output": ", ".join(words)}
 
-    datasets.Dataset.from_generator(rows).to_parquet(str(path))
+    datasets.Dataset.from_generator(rows).to_parquet(str(path), batch_size=ROW_GROUP)
 
 
 def train(data: Path, out: Path, streaming: bool, steps: int) -> dict:
@@ -51,6 +53,8 @@ def train(data: Path, out: Path, streaming: bool, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="20000,200000")
+    ap.add_argument("--whole-up-to", type=int, default=200000, help="load whole (streaming: false) up to this many "
+                    "rows too: tokenizing 2M rows up front takes longer than the stream's whole run")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("docs/streaming.json"))
     args = ap.parse_args()
@@ -59,12 +63,13 @@ def main() -> None:
         for n in [int(x) for x in args.rows.split(",")]:
             data = Path(tmp) / f"rows{n}.parquet"
             write_parquet(data, n)
-            for streaming in (True, False):
+            for streaming in (True, False) if n <= args.whole_up_to else (True,):
                 r = {"rows": n, "streaming": streaming, "parquet_bytes": data.stat().st_size,
                      **train(data, Path(tmp) / f"run-{n}-{streaming}", streaming, args.steps)}
                 print(json.dumps(r), flush=True)
                 results.append(r)
-    args.out.write_text(json.dumps({"command": "python scripts/stream_memory.py --rows " + args.rows,
+    args.out.write_text(json.dumps({"command": f"python scripts/stream_memory.py --rows {args.rows} --whole-up-to "
+                                               f"{args.whole_up_to}",
                                     "steps": args.steps, "results": results}, indent=2) + "\n")
 
 

@@ -21,16 +21,20 @@ GENERIC = "tiny-glm4-moe"  # glm4_moe: no spec file, converts through the generi
 # Files whose module fixtures are costly (a study, a bench, a calibration, a trained run): each runs on one xdist
 # worker (`--dist loadgroup`), so its fixtures are built once; every other test goes to whichever worker is free.
 # The real tier's file is one too: its dense reference eval is shared, and one worker builds the SmolLM2 caches.
-ONE_WORKER = {"test_architectures.py", "test_base.py", "test_bench.py", "test_calibrate.py", "test_corpus.py",
-              "test_hf_remote.py", "test_hift.py", "test_resume.py", "test_smollm2.py", "test_study.py",
-              "test_watch.py"}
+# Named by path: a file of the same name elsewhere (methods/test_resume.py) is not held to the same worker.
+ONE_WORKER = {"methods/test_architectures.py", "models/test_base.py", "reports/test_bench.py",
+              "conversion/test_calibrate.py", "scripts/test_corpus.py", "models/test_hf_remote.py",
+              "methods/test_hift.py", "training/test_resume.py", "models/test_smollm2.py", "reports/test_study.py",
+              "training/test_watch.py"}
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into each test's group
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(str(item.fspath)).name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(Path(str(item.fspath)).stem))
+        path = Path(str(item.fspath)).resolve()
+        if path.is_relative_to(TESTS) and path.relative_to(TESTS).as_posix() in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(path.stem))
 
 
 @pytest.fixture(autouse=True)

@@ -124,12 +124,13 @@ class StudyPlan:
     shared_process: bool = False
     jobs: int = 1  # worker processes at once
     threads: int | None = None  # torch threads per run (None: cores / jobs when jobs > 1, else torch's default)
+    overrides: dict[str, dict] = field(default_factory=dict)  # method -> options set on top of the method's own
 
     def options(self, method: str, **variant) -> dict:
         """The method's YAML section in this plan's runs (`variant`: a conversion-gap variant's options)."""
         if method in self.base.method_options:
-            return {**self.base.method_options[method], **variant}
-        return _method(method).study_options(self.steps, **variant)
+            return {**self.base.method_options[method], **variant, **self.overrides.get(method, {})}
+        return {**_method(method).study_options(self.steps, **variant), **self.overrides.get(method, {})}
 
     def converts_once(self, method: str) -> bool:
         """Whether `method`'s runs start from the study's one conversion (`StudyBase.convert`)."""
@@ -157,7 +158,8 @@ def quick_plan() -> StudyPlan:
     """The smoke version (`--quick`): every study method, 2 steps, one task, one seed, one shared process."""
     return StudyPlan(tasks=("commas",), seeds=(0,), steps=2, batch=4, warmup_steps=0, logging_steps=1,
                      eval_limit=4, retention_limit=8, max_new_tokens={"commas": 4},
-                     lr_grid={m: (1e-4,) for m in study_methods()}, gap_variants=False, shared_process=True)
+                     lr_grid={m: (1e-4,) for m in study_methods()}, gap_variants=False, shared_process=True,
+                     overrides={"revffn": {"calibration_tokens": 1024}})  # 2 steps need no 32k-token calibration
 
 
 def _job(plan: StudyPlan, out: Path, method: str, task: str, seed: int, lr: float, eval_val: bool,

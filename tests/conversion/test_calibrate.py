@@ -36,7 +36,7 @@ def test_ridge_fit_recovers_a_linear_map_and_reports_its_residual():
 
 @pytest.fixture(scope="module")
 def calibrated_base(tok):
-    """builtin:base calibrated on the same 4096 self-sampled tokens, without and with the skip adapters, and
+    """builtin:base calibrated on the same 2048 self-sampled tokens, without and with the skip adapters, and
     with full-width streams (and skips): ({skip or "full": (loss on 16 held-out documents, report)}, the
     coordinate loss)."""
     out, coordinate, rows = {}, None, None
@@ -45,14 +45,14 @@ def calibrated_base(tok):
         if width == "half" and not skip:
             coordinate = retention_loss(model, tok, limit=16)  # the skips start at 0: the same model
         if rows is None:  # sampled from the unconverted layers: the same text for every variant
-            rows = calibration_rows("self", tok, model, 4096, "revffn.calibration_data")
+            rows = calibration_rows("self", tok, model, 2048, "revffn.calibration_data")
         report = calibrate(model, row_batches(rows))
         out[skip if width == "half" else "full"] = (retention_loss(model, tok, limit=16), report)
     return out, coordinate
 
 
 def test_calibrated_beats_coordinate_on_the_shipped_base(calibrated_base):
-    """builtin:base: coordinate 4.80 on these 16 held-out documents; a 4096-token self-calibration ~2.9."""
+    """builtin:base: coordinate 4.80 on these 16 held-out documents; a 2048-token self-calibration ~2.9."""
     fits, coordinate = calibrated_base
     calibrated, report = fits[False]
     print({"coordinate": coordinate, "calibrated": calibrated, "worst": max(report["residuals"].values())})

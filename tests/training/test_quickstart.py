@@ -15,9 +15,12 @@ def _run(*args, timeout=600):
 
 def test_quickstart_short_leaves_every_output(tmp_path):
     out = tmp_path / "qs"
+    # the shipped recipe (the method's defaults) with its budget cut
     proc = _run("train", f"output_dir={out}", "max_steps=30", "save_steps=10", "eval_steps=10", "logging_steps=5",
-                "revffn.adapter_warmup_steps=5", "per_device_train_batch_size=8")
+                "revffn.adapter_warmup_steps=5", "per_device_train_batch_size=8", "revffn.calibration_tokens=2048")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-2000:]  # the first run prints no warning
+    assert "calibrat" in proc.stderr  # the defaults ran: calibrated adapters, then the heal
     for name in ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "memory.png", "final/model.safetensors",
                  "final/revffn.json", "final/tokenizer.json", "checkpoints/step-20", "checkpoints/step-10"):
         assert (out / name).exists(), name
