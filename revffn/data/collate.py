@@ -48,12 +48,23 @@ def _encode(example: dict, tokenizer, max_chars: int | None = None) -> tuple[lis
     return ids, labels
 
 
+def has_trained_token(labels: list[int]) -> bool:
+    """Position 0 is never predicted (labels shift by one), so a lone trained first token does not count."""
+    return any(t != IGNORE_INDEX for t in labels[1:])
+
+
+def encode_truncated(example: dict, tokenizer, max_seq_length: int) -> tuple[list[int], list[int], bool]:
+    """(ids, labels, whether it was truncated) of one example cut to `max_seq_length` tokens."""
+    ids, labels = _encode(example, tokenizer, max_seq_length * CHARS_PER_TOKEN_CAP)
+    return ids[:max_seq_length], labels[:max_seq_length], len(ids) > max_seq_length
+
+
 def _pack(items: list[tuple[list[int], list[int]]], length: int) -> list[tuple[list[int], list[int]]]:
     """Concatenate items and cut rows of `length`; rows with no predicted trained token are left out."""
     ids = [t for item_ids, _ in items for t in item_ids]
     labels = [t for _, item_labels in items for t in item_labels]
     rows = [(ids[s : s + length], labels[s : s + length]) for s in range(0, len(ids), length)]
-    return [row for row in rows if any(t != IGNORE_INDEX for t in row[1][1:])]
+    return [row for row in rows if has_trained_token(row[1])]
 
 
 def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packing: bool = False,
@@ -67,12 +78,9 @@ def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packi
         raise UserError(f"max_seq_length: must be at least 2, got {max_seq_length}. Fix: use e.g. 512.")
     items, n_truncated, n_dropped = [], 0, 0
     for example in examples:
-        ids, labels = _encode(example, tokenizer, max_seq_length * CHARS_PER_TOKEN_CAP)
-        if len(ids) > max_seq_length:
-            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-            n_truncated += 1
-        # Position 0 is never predicted (labels shift by one), so a lone trained first token does not count.
-        if all(t == IGNORE_INDEX for t in labels[1:]):
+        ids, labels, truncated = encode_truncated(example, tokenizer, max_seq_length)
+        n_truncated += truncated
+        if not has_trained_token(labels):
             n_dropped += 1
             continue
         items.append((ids, labels))

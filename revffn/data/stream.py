@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterator
 
 from revffn.data import tables
-from revffn.data.collate import CHARS_PER_TOKEN_CAP, IGNORE_INDEX, _encode, data_shard
+from revffn.data.collate import data_shard, encode_truncated, has_trained_token
 from revffn.data.formats import FORMAT_KEYS, FORMATS_HELP, normalise
 from revffn.errors import UserError
 
@@ -69,8 +69,8 @@ class TokenStream:
                             f"rename its columns to fit one of the {FORMATS_HELP}.")
         return split_dataset_by_node(ds, rank=self.shard[0], world_size=self.shard[1])
 
-    def _examples(self) -> Iterator[tuple[str, dict]]:
-        """(where, normalised example) of this epoch from `self.examples` on."""
+    def _examples(self) -> Iterator[dict]:
+        """The normalised examples of this epoch from `self.examples` on."""
         rows = iter(self._dataset())
         if self.shuffle_buffer:
             rows = buffer_shuffle(rows, self.shuffle_buffer, random.Random(self.seed * 1_000_003 + self.epoch))
@@ -78,18 +78,17 @@ class TokenStream:
         for i, row in enumerate(rows, start=self.examples):
             where = f"{self.ref}[process {self.shard[0]} of {self.shard[1]}, epoch {self.epoch}, example {i}]"
             try:
-                yield where, normalise({k: v for k, v in row.items() if v is not None}, where)
+                yield normalise({k: v for k, v in row.items() if v is not None}, where)
             except UserError as e:  # name the config key, as `formats.load_examples` does
                 raise UserError(f"{self.key}: {e}") from None
 
     def _generate(self) -> Iterator[tuple[list[int], list[int]]]:
         while True:
             took, resumed_within = False, self.examples > 0  # took: an example this epoch kept a trained token
-            for _, example in self._examples():
+            for example in self._examples():
                 self.examples += 1
-                ids, labels = _encode(example, self.tokenizer, self.length * CHARS_PER_TOKEN_CAP)
-                ids, labels = ids[: self.length], labels[: self.length]
-                if all(t == IGNORE_INDEX for t in labels[1:]):  # position 0 is never predicted
+                ids, labels, _ = encode_truncated(example, self.tokenizer, self.length)
+                if not has_trained_token(labels):
                     continue
                 took = True
                 if not self.packing:
@@ -101,7 +100,7 @@ class TokenStream:
                     row = carry_ids[: self.length], carry_labels[: self.length]
                     carry_ids, carry_labels = carry_ids[self.length :], carry_labels[self.length :]
                 self.carry = (carry_ids, carry_labels)
-                if row is not None and any(t != IGNORE_INDEX for t in row[1][1:]):
+                if row is not None and has_trained_token(row[1]):
                     yield row
             if not took and not resumed_within:
                 raise UserError(f"{self.key}: process {self.shard[0]} of {self.shard[1]} read no trainable example "
@@ -130,7 +129,6 @@ class TokenStream:
     @property
     def stats(self) -> dict:
         return {"streaming": True, "source": self.ref, "epoch": self.epoch, "examples": self.examples}
-
 
 
 def buffer_shuffle(rows: Iterator, size: int, rng: random.Random) -> Iterator:
