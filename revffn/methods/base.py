@@ -13,13 +13,24 @@ the quality study (`STUDY_LR_GRID`, `STUDY_OPTIONS`, `STUDY_GAP_VARIANTS`, `stud
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.schema import Key, Record, record_type
+
+
+@dataclass
+class TokenSum:
+    """A method's extra loss summed over its micro-batch's input tokens (attention_mask): train_step divides it by
+    the input tokens of the step's whole batch, over micro-batches and data-parallel ranks, as it divides the task
+    loss by the predicted tokens, so every token weighs alike however the batch is split (RevFFN's distillation)."""
+
+    value: torch.Tensor
 
 
 class Method:
@@ -100,6 +111,11 @@ class Method:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    def before_training(self, model: nn.Module, items: list | None, run_dir: Path) -> None:
+        """Once per run, after the model is built (and a checkpoint loaded), before the first step: work over the
+        tokenized training set (`items`, (input_ids, labels) pairs; None when the data streams), as RevFFN's
+        cached distillation teacher. Under FSDP every rank calls it, the root gathered."""
+
     def step_batches(self, model: nn.Module, step: int, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches step `step` trains on. Default: the task's (RevFFN's heal stage swaps in
         heal text). Must depend only on `step` and the config, so that a resumed run sees the same."""
@@ -107,9 +123,9 @@ class Method:
 
     def forward(self, model: nn.Module, batch: dict, step: int) -> tuple:
         """(output, extra) of one micro-batch: `output.loss_sum` is summed over the positions its labels
-        select (train_step divides by their count over the step's micro-batches); `extra` is None or a
+        select (train_step divides by their count over the step's micro-batches); `extra` is None, a
         scalar loss already averaged over this micro-batch (train_step divides it by the number of
-        micro-batches). Default: the model's causal-LM loss, nothing extra.
+        micro-batches), or a `TokenSum`. Default: the model's causal-LM loss, nothing extra.
 
         Under `distributed: ddp`, `model` is the `DistributedDataParallel` wrapper
         (`training.parallel.DDPModel`): calling it is what all-reduces the gradients; its attributes

@@ -38,11 +38,12 @@ from revffn.data.calibration import SELF
 from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
-from revffn.methods.base import Method, non_router_parameters, set_requires_grad, write_manifest
+from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.hf_remote import save_converted
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
+DISTILL_TEACHERS = ("copy", "cached")  # distill_teacher: `methods.teacher_cache` for the second
 TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
 # The MoE branch's backward recompute by chunks of this many tokens (`RevBlock`'s chunked G): its working set is
 # then one chunk's. At 4 x 2048 tokens on the CPU bench's 16-layer profile it takes RevFFN's peak from 657 to
@@ -78,7 +79,13 @@ class RevFFNMethod(Method):
                                 "the unconverted model's states) added to the KL; > 0 runs stage 1 as the plain "
                                 "twin (every layer's graph kept)", min=0.0),
         "distill_coef": Key(float, 0.0, "stage 2: weight of KL to the original model on each training batch "
-                            "(a frozen copy of the weights: +1x weights memory)", min=0.0),
+                            "(its teacher: distill_teacher)", min=0.0),
+        "distill_teacher": Key(str, "copy", "distill_coef > 0: copy (a frozen copy of the weights, +1x weights "
+                               "memory, a teacher forward per batch) or cached (the original model's final hidden "
+                               "states for every training example, computed once before training into "
+                               "teacher_cache, and a copy of the head only)", choices=DISTILL_TEACHERS),
+        "teacher_cache": Key(str, "", "distill_teacher cached: its directory (empty: OUTPUT_DIR/teacher_cache), "
+                             "reused while the data and the model are the same", path=True),
         "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: recompute and back-propagate each "
                                       "layer's MoE branch by chunks of N tokens, and its attention by chunks of "
                                       "whole sequences of at most N tokens (at least one), so its working set is "
@@ -86,13 +93,14 @@ class RevFFNMethod(Method):
                                       "recomputed whole)", min=0),
     }
     ESTIMATE_KEYS = ("freeze_router", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
-                     "recompute_chunk_tokens")
+                     "distill_teacher", "recompute_chunk_tokens")
     ESTIMATE_OPTIONS = {
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
     converted_from: str | None = None  # set by `prepare` when the model came converted
     calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
-    teacher: nn.Module | None = None  # distill_coef > 0: frozen copy of the model before training
+    teacher: nn.Module | None = None  # distill_coef > 0, distill_teacher copy: frozen copy of the model before training
+    teacher_cache = None  # distill_teacher cached: a `methods.teacher_cache.TeacherCache` (`before_training`)
     heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
     norm_originals: list | None = None  # heal_norms: the norm weights before training (the teacher's)
     reversible = True  # whether the prepared model runs reversibly outside a heal with heal_hidden_coef
@@ -135,6 +143,10 @@ class RevFFNMethod(Method):
         if opts["adapter_warmup_steps"] > cfg.max_steps:
             raise UserError(f"revffn.adapter_warmup_steps={opts['adapter_warmup_steps']} is more than max_steps="
                             f"{cfg.max_steps}. Fix: at most max_steps (equal: a heal only, no stage 2).")
+        if opts["distill_coef"] > 0 and opts["distill_teacher"] == "cached" and cfg.streaming:
+            raise UserError("revffn.distill_teacher=cached: the cache holds every training example's teacher states, "
+                            "computed before training, and a streamed data set (streaming: true) is not read ahead. "
+                            "Fix: revffn.distill_teacher=copy, or streaming: false.")
         if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
             from revffn.data.calibration import file_rows
             from revffn.data.tokenizer import model_tokenizer
@@ -208,9 +220,18 @@ class RevFFNMethod(Method):
             log_line("warning: revffn.heal_data=task: stage 1 trains the adapters on the task's batches, which "
                      "loses more of the base than healing on general text (docs/conversion.md). Fix: "
                      "revffn.heal_data=self.")
-        if opts["distill_coef"] > 0:
+        if opts["distill_coef"] > 0 and opts["distill_teacher"] == "copy":
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         return model
+
+    def before_training(self, model, items: list | None, run_dir: Path) -> None:
+        """distill_teacher cached: open the cache of the training set's teacher hidden states, or build it."""
+        if self.opts["distill_coef"] > 0 and self.opts["distill_teacher"] == "cached":
+            from revffn.methods.teacher_cache import TeacherCache
+
+            path = Path(self.opts["teacher_cache"]) if self.opts["teacher_cache"] else run_dir / "teacher_cache"
+            ref = f"{self.cfg.model} {self.cfg.model_config or ''}".strip()
+            self.teacher_cache = TeacherCache.open(path, model, items, ref)
 
     def fsdp_units(self, model) -> list[nn.Module]:
         """What F and G call, one by one: the adapters and the decoder layer's own modules (attention,
@@ -253,8 +274,9 @@ class RevFFNMethod(Method):
     def forward(self, model, batch: dict, step: int) -> tuple:
         """Heal stage: `loss_sum` is KL(teacher ‖ student) summed over the positions the labels select,
         the teacher the model's own frozen backbone in its original wiring. Joint stage with
-        distill_coef > 0: the task's loss plus distill_coef x KL to the frozen copy, averaged over the
-        batch's tokens. Otherwise the causal-LM loss."""
+        distill_coef > 0: the task's loss plus distill_coef x KL to the original model (the frozen copy or the
+        cache) summed over the micro-batch's input tokens, a `TokenSum` (train_step averages it over the step's
+        whole batch). Otherwise the causal-LM loss."""
         stage = self.stage(step)
         heal = stage == "heal"
         if not heal and not (self.opts["distill_coef"] > 0 and stage == "joint"):
@@ -262,14 +284,12 @@ class RevFFNMethod(Method):
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         if heal:
             return self._heal_forward(model, batch)
-        teacher = self._teacher_on(model)
-        target = teacher_hidden(teacher, ids, mask)
+        target, teacher_head = self._teacher(model, ids, mask)
         with student_hidden(model) as box:
             out = model(**batch, return_logits=False)
         head = get_path(model.hf, model.spec.head)
-        kl_sum, n = distill_kl(box[0], target, head, mask, model.chunk_tokens,
-                               teacher_head=get_path(teacher.hf, teacher.spec.head))
-        return out, self.opts["distill_coef"] * kl_sum / n.clamp(min=1)
+        kl_sum, _ = distill_kl(box[0], target, head, mask, model.chunk_tokens, teacher_head=teacher_head)
+        return out, TokenSum(self.opts["distill_coef"] * kl_sum)
 
     def _heal_forward(self, model, batch: dict) -> tuple:
         """Stage 1: KL(teacher ‖ student) summed over the positions the labels select, the teacher the
@@ -286,12 +306,19 @@ class RevFFNMethod(Method):
         out.loss_sum, _ = distill_kl(box[0], target, get_path(model.hf, model.spec.head), kl_mask, model.chunk_tokens)
         return out, (coef * hidden_mse(outs, states) if coef else None)
 
-    def _teacher_on(self, model) -> nn.Module:
-        """The frozen copy, moved to the model's device on first use (it is built on the host)."""
+    def _teacher(self, model, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, nn.Module]:
+        """Stage 2's teacher: its final hidden states on the batch and its head, from the cache or the frozen
+        copy (either moved to the model's device on first use: both are built on the host)."""
         device = next(model.parameters()).device
-        if next(self.teacher.parameters()).device != device:
-            self.teacher.to(device)
-        return self.teacher
+        held = self.teacher_cache.head if self.teacher_cache is not None else self.teacher
+        if held is None:
+            raise RuntimeError("revffn.distill_teacher=cached: the cache is opened by the loop's "
+                               "`Method.before_training`; call it before training")
+        if next(held.parameters()).device != device:
+            held.to(device)
+        if self.teacher_cache is not None:
+            return self.teacher_cache.hidden(ids, mask).to(device), held
+        return teacher_hidden(held, ids, mask), get_path(held.hf, held.spec.head)
 
     def export(self, model, out_dir: Path) -> None:
         """The converted model as transformers loads it with remote code (`models.hf_remote`), and revffn.json."""
@@ -304,7 +331,7 @@ class RevFFNMethod(Method):
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
-                     adapter_skip: bool = True, distill_coef: float = 0.0,
+                     adapter_skip: bool = True, distill_coef: float = 0.0, distill_teacher: str = "copy",
                      recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full") -> MemoryTerms:
         """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
         (`compact_index_dtype` per token and choice), plus the mask and what outside the layers saves.
@@ -348,10 +375,16 @@ class RevFFNMethod(Method):
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
                  f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "
                  "the host; a heal step is stage 1 (--option stage=1) plus one no-grad teacher forward")
-        teacher = counts["total"] + adapters if distill_coef > 0 and stage == 2 else 0
-        if teacher:
-            notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights ({teacher} params, "
-                      "counted under weights) and its (B, T, d) final hidden states",)
+        teacher = 0
+        if distill_coef > 0 and stage == 2:  # both routes' teacher memory, the chosen one counted under weights
+            copy_params, head = counts["total"] + adapters, m.vocab * m.d
+            teacher = head if distill_teacher == "cached" else copy_params
+            notes += (f"revffn distill_coef={distill_coef:g}, distill_teacher={distill_teacher} (counted under "
+                      f"weights), with its (B, T, d) final hidden states: a frozen teacher copy of the weights is "
+                      f"{copy_params} params ({copy_params * s / 2**30:.2f} GiB, whole on every rank) plus a "
+                      f"forward per micro-batch; a cached teacher is a copy of the head, {head} params "
+                      f"({head * s / 2**20:.0f} MiB), and {m.d * s} bytes per training token on disk, computed "
+                      "once before training",)
         # full width: the final norm reads Y_2 itself (`merge`), in `outside` as its input unless a cast copies it
         shared = N * m.d * s if stream_width == "full" and stream == s else 0
         act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * w * stream - shared + records + (N * m.d * s if teacher else 0)

@@ -67,6 +67,7 @@ from revffn.training.parallel import (
     is_main_process,
     is_timeout,
     max_over_ranks,
+    unshard_root,
 )
 from revffn.training.report import write_run_report
 from revffn.training.setup import (
@@ -131,6 +132,9 @@ class Recipe:
         self.order = plan.train_set if cfg.streaming else DataOrder(len(plan.train_set.items), cfg.seed)
         if plan.resume_from is not None:
             self._resume(plan.resume_from)
+        if self.sharded:  # the method may call the root's modules (embeddings, final norm, head) directly
+            unshard_root(self.run.model)
+        self.run.method.before_training(self.run.model, None if cfg.streaming else plan.train_set.items, plan.run_dir)
         if self.main:  # before the bar: wandb and mlflow print as they start
             self.trackers = Trackers(cfg, plan.run_dir, self.step)
             self._open.callback(lambda: self.trackers.close(self.failed))

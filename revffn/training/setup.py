@@ -35,7 +35,7 @@ from revffn.training.parallel import launched_world, pick_distributed
 from revffn.training.trackers import check_trackers
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "report.md", "loss.png", "memory.png",
-             "events.jsonl", "tensorboard", "heartbeat.json")
+             "events.jsonl", "tensorboard", "heartbeat.json", "teacher_cache")
 
 
 @dataclass

@@ -47,6 +47,7 @@ from torch import nn
 
 from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
+from revffn.methods.base import TokenSum
 from revffn.models.loading import load_hf
 from revffn.training.config import TrainConfig
 from revffn.training.optim import InBackward, build_optimizer, set_lr
@@ -173,7 +174,9 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
             with run.autocast(), forward_context():
                 out, extra = method.forward(forward_model, mb, step)
             loss = out.loss_sum / (max(n_total, 1) / world)
-            if extra is not None:
+            if isinstance(extra, TokenSum):
+                loss = loss + extra.value / (max(n_inputs, 1) / world)
+            elif extra is not None:
                 loss = loss + extra / len(micro_batches)
             if out.aux_loss is not None and out.aux_loss.requires_grad:
                 loss = loss + model.aux_loss_coef * out.aux_loss / len(micro_batches)

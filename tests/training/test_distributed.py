@@ -51,11 +51,16 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
     "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
+    # stage 2's distillation from the cached teacher: each rank caches its share of the examples (a collective
+    # forward under FSDP) and reads any of them back
+    "revffn-distill-cached": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+                               "revffn.adapter_init=coordinate", "revffn.distill_coef=0.5",
+                               "revffn.distill_teacher=cached"], 4, 1),
 }
 OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods both strategies train (hift is refused): -m slow
 # in -m slow too (the suite's 15-minute budget): the load-balancing loss per micro-batch, LoRA, the heal stage;
 # full and revffn stay in the default tier
-SLOW = {"full-aux", "lora", "revffn-heal"}
+SLOW = {"full-aux", "lora", "revffn-heal", "revffn-distill-cached"}
 STRATEGIES = ("ddp", "fsdp")
 TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
 
@@ -114,6 +119,10 @@ def test_data_parallel_equals_one_process(tmp_path, method):
         if method.startswith("revffn"):
             stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
             assert stages == ["heal" if method == "revffn-heal" else "warmup"] * 2 + ["joint"] * 2
+        if method == "revffn-distill-cached":  # the 2-rank cache: one file per rank, every example once
+            manifest = json.loads((out / "teacher_cache" / "manifest.json").read_text())
+            assert manifest["world"] == 2 and manifest == {**json.loads(
+                (tmp_path / "one" / "teacher_cache" / "manifest.json").read_text()), "world": 2}
         if method == "revffn-calibrated":  # each rank fitted half of the 8 rows of 128 tokens
             assert r.stderr.count("1024 tokens of self (8 rows; this process fits rows ") == 2, r.stderr[-3000:]
 

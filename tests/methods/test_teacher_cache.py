@@ -1,0 +1,117 @@
+"""The cached distillation teacher (`revffn.distill_teacher: cached`): a run distilling from the cache trains exactly
+as one distilling from the frozen copy, holds no copy of the weights, reuses its cache on resume and refuses a cache
+computed on other data (exit 2, naming the key, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from revffn.cli import main
+from revffn.errors import UserError
+from revffn.methods import method_class
+from revffn.training import loop
+from revffn.training.config import load_config
+from tests.methods._util import metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}", "method=revffn",
+        "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=0",
+        "revffn.distill_coef=0.5", "data=builtin:reversal_train", "eval_data=null",
+        "max_seq_length=32", "per_device_train_batch_size=4", "max_steps=4", "logging_steps=1", "save_steps=0",
+        "learning_rate=1e-3", "warmup_steps=0",
+        "adam_epsilon=1e-6"]  # AdamW's eps 1e-8 would amplify rounding in near-zero gradients past 1e-6
+
+
+def _train(out, *over: str):
+    loop.run(load_config(None, [*TINY, *over, f"output_dir={out}"]))
+    return [(r["stage"], r["loss"]) for r in metrics(out)]
+
+
+def _final(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((out / "final").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def copy_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("copy") / "run"
+    return out, _train(out)
+
+
+def test_cached_teacher_trains_as_the_frozen_copy(tmp_path, copy_run):
+    copy_out, copy_losses = copy_run
+    losses = _train(tmp_path / "cached", "revffn.distill_teacher=cached")
+    assert [s for s, _ in losses] == ["joint"] * 4
+    diffs = [abs(a - b) for (_, a), (_, b) in zip(losses, copy_losses)]
+    assert max(diffs) <= 1e-6, diffs
+    cached, copied = _final(tmp_path / "cached"), _final(copy_out)
+    assert cached.keys() == copied.keys()
+    assert max((cached[k] - copied[k]).abs().max().item() for k in cached) <= 1e-6
+    manifest = json.loads((tmp_path / "cached" / "teacher_cache" / "manifest.json").read_text())
+    # every example of the tokenized set, once: reversal_train at max_seq_length 32
+    assert manifest["examples"] > 100 and manifest["d"] == 64 and manifest["world"] == 1
+    # the distill term mattered: without it the same run trains differently
+    _train(tmp_path / "plain", "revffn.distill_coef=0")
+    plain = _final(tmp_path / "plain")
+    assert max((plain[k] - copied[k]).abs().max().item() for k in plain) > 1e-4
+
+
+def test_cached_teacher_holds_no_weight_copy_and_is_reused(tmp_path):
+    cfg = load_config(None, [*TINY, "revffn.distill_teacher=cached", f"output_dir={tmp_path / 'run'}"])
+    from revffn.training.step import build_run
+
+    run = build_run(cfg, torch.device("cpu"))
+    assert run.method.teacher is None  # the copy route's deepcopy is not made
+    _train(tmp_path / "run", "revffn.distill_teacher=cached", "save_steps=3", "overwrite=true")
+    cache = tmp_path / "run" / "teacher_cache"
+    stamp = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    ref = [r["loss"] for r in metrics(tmp_path / "run")]
+    _train(tmp_path / "run", "revffn.distill_teacher=cached", "save_steps=3", "resume=true")
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamp  # read back, not rebuilt
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == pytest.approx(ref, abs=1e-6)
+
+
+def test_a_cache_of_other_data_exits_2_naming_the_key(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    _train(tmp_path / "first", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
+    before = sorted(p.name for p in cache.iterdir())
+    code = main(["train", *TINY, "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}",
+                 "data=builtin:commas_train", f"output_dir={tmp_path / 'second'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "revffn.teacher_cache" in err and "another data set" in err and "Fix:" in err
+    assert sorted(p.name for p in cache.iterdir()) == before
+    assert not (tmp_path / "second" / "final").exists()
+
+
+def test_streaming_with_a_cached_teacher_is_refused():
+    with pytest.raises(UserError, match="revffn.distill_teacher=cached.*Fix: revffn.distill_teacher=copy"):
+        load_config(None, [*TINY, "revffn.distill_teacher=cached", "streaming=true", "output_dir=unused"])
+
+
+def test_the_estimate_counts_each_teacher_route():
+    from revffn.memory.estimate import estimate
+    from revffn.models.loading import hf_config
+
+    config, cls = hf_config("qwen1.5-moe-a2.7b"), method_class("revffn")
+    plain = estimate(config, cls, batch=1, seq=512, dtype="bfloat16")
+    copy = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5)
+    cached = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached")
+    head = config.vocab_size * config.hidden_size
+    assert copy["weights"] - plain["weights"] == plain["total_params"] * 2
+    assert cached["weights"] - plain["weights"] == head * 2  # the head's copy alone
+    assert any("cached teacher" in n for n in cached["notes"]) and any("teacher copy" in n for n in cached["notes"])
+
+
+def test_a_cut_build_is_rebuilt(tmp_path):
+    """A build that stopped before its manifest (killed) leaves rank files only: the next run recomputes them."""
+    cache = tmp_path / "cache"
+    _train(tmp_path / "first", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
+    (cache / "manifest.json").unlink()
+    _train(tmp_path / "second", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
+    assert (cache / "manifest.json").is_file()
