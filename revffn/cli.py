@@ -26,6 +26,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import UserError
 
 
@@ -462,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "directory that `revffn train model=DIR method=revffn` starts from")
     k.add_argument("model", help="builtin:base, a tiny preset or a local HF model directory")
     k.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
-    k.add_argument("--calibration-data", default="self", help="self (sampled from the model: no data), a "
-                   "data source (README: Data formats); general text, not task data (default: %(default)s)")
+    k.add_argument("--calibration-data", default=DEFAULT_CALIBRATION, help="general text, not task data: a data "
+                   "source (README: Data formats) or self (sampled from the model) (default: %(default)s)")
     k.add_argument("--calibration-tokens", type=_positive, default=32768, help="calibration tokens (default: "
                    "%(default)s, in rows of 128)")
     k.add_argument("--heal-steps", type=_nonnegative, default=0,

@@ -1,5 +1,6 @@
-"""Write `builtin:pydoc_text`: held-out English text for loss evaluation of a real pretrained model, and
-`builtin:pydoc_calibration`: the rest of the same manual, real text to calibrate a conversion on.
+"""Write `builtin:pydoc_text`: held-out English text for loss evaluation of a real pretrained model,
+`builtin:pydoc_calibration`: the rest of the same manual, real text to calibrate a conversion on, and
+`builtin:stdlib_text`: the standard library's docstrings, the default calibration text (`revffn.calibration_data`).
 
     python scripts/make_pydoc_text.py          # rewrites both in revffn/assets/data/ (Python 3.11)
     revffn eval builtin:smollm2 --data builtin:pydoc_text
@@ -31,11 +32,13 @@ import argparse
 import json
 from pathlib import Path
 
-from corpus import chunk_text, python_reference_corpus
+from corpus import chunk_text, python_doc_corpus, python_reference_corpus
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "revffn" / "assets" / "data"
 DEFAULT_OUT = DATA_DIR / "pydoc_text.jsonl"
 CALIBRATION_OUT = DATA_DIR / "pydoc_calibration.jsonl"
+STDLIB_OUT = DATA_DIR / "stdlib_text.jsonl"
+STDLIB_MIN_CHARS = 200  # docstrings are shorter than the manual's topics
 N_DOCS = 64
 MAX_CHARS = 1000
 MIN_CHARS = 400  # shorter pieces are mostly headings and grammar snippets
@@ -61,6 +64,14 @@ def pydoc_calibration(n_docs: int = N_DOCS, max_chars: int = MAX_CHARS) -> list[
     return [p for p in _pieces(max_chars) if p not in held_out]
 
 
+def stdlib_text(max_chars: int = MAX_CHARS) -> list[str]:
+    """The docstrings of `corpus.STDLIB_MODULES` (`corpus.python_doc_corpus`: the modules' own text, not the
+    reference manual's), cut like the manual into distinct pieces of `STDLIB_MIN_CHARS` to `max_chars` characters;
+    none contains or is contained in a piece of `pydoc_text` (checked by tests/scripts/test_assets.py)."""
+    pieces = chunk_text(python_doc_corpus(), max_chars=max_chars)
+    return [p for p in dict.fromkeys(pieces) if len(p) >= STDLIB_MIN_CHARS]
+
+
 def render(docs: list[str]) -> str:
     """The JSONL text of the asset: one `{"text": ...}` per line, as `retention_test.jsonl`."""
     return "".join(json.dumps({"text": d}) + "\n" for d in docs)
@@ -78,6 +89,9 @@ def main() -> None:
     calibration = pydoc_calibration(args.n_docs)
     Path(args.calibration_out).write_text(render(calibration), encoding="utf-8")
     print(f"wrote {args.calibration_out}: {len(calibration)} documents, {sum(map(len, calibration))} characters")
+    stdlib = stdlib_text()
+    STDLIB_OUT.write_text(render(stdlib), encoding="utf-8")
+    print(f"wrote {STDLIB_OUT}: {len(stdlib)} documents, {sum(map(len, stdlib))} characters")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import torch
 
 from revffn.conversion.calibrate import calibrate
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, calibration_rows, is_task_data, row_batches
 from revffn.data.collate import data_shard
 from revffn.data.formats import load_examples
@@ -39,10 +40,12 @@ def check_source(source: str, key: str, training_data: tuple[str | None, ...] = 
         return
     if source in [d for d in training_data if d]:
         log(f"warning: {key}={source!r} is this run's task data. Adapters fitted to a narrow task lose more of "
-            f"the base than no calibration (docs/conversion.md). Fix: {key}=self or general text.")
+            f"the base than no calibration (docs/conversion.md). Fix: "
+            f"{key}={DEFAULT_CALIBRATION} or other general text.")
     elif is_task_data(load_examples(source, key)):
         log(f"warning: {key}={source!r} holds task examples (conversations), not general text: fitted to them the "
-            f"adapters lose more of the base (docs/conversion.md). Fix: {key}=self or plain-text documents.")
+            f"adapters lose more of the base (docs/conversion.md). Fix: "
+            f"{key}={DEFAULT_CALIBRATION} or plain-text documents.")
 
 
 def calibrate_model(model, tokenizer, source: str, n_tokens: int, key: str = "revffn.calibration_data",

@@ -34,6 +34,7 @@ from revffn.conversion.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCau
 from revffn.conversion.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.conversion.loss import distill_kl
 from revffn.conversion.teacher import student_hidden, teacher_hidden
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF
 from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
@@ -67,8 +68,9 @@ class RevFFNMethod(Method):
         "stream_width": Key(str, "full", "width of each of the two reversible streams: full (d; P_down and the skip "
                             "d x d, no P_up) or half (d/2, the paper's; P_up and P_down per branch)",
                             choices=STREAM_WIDTHS),
-        "calibration_data": Key(str, "self", "calibrated init: `self` (text sampled from the base), a data file or "
-                                "builtin:NAME; general text, never the task data alone", path=True),
+        "calibration_data": Key(str, DEFAULT_CALIBRATION, "calibrated init: general text, never the task data "
+                                "alone: a data file, builtin:NAME (the default: Python's docstrings) or `self` (text "
+                                "sampled from the base)", path=True),
         "calibration_tokens": Key(int, 32768, "calibrated init: calibration tokens (rows of 128)", min=1),
         "heal_data": Key(str, "self", "stage 1: text the adapters heal on by KL to the unconverted model: `self` "
                          "(sampled from it), a data file or builtin:NAME; `task`: cross-entropy on the training data",
@@ -107,7 +109,9 @@ class RevFFNMethod(Method):
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     # the defaults (calibrated, heal on self) at the paper's half width: the study of docs/study.md ran on the 4-layer
     # builtin:base at it, which learns the toy tasks faster than full width (the quickstart: 90 % against 62 %)
-    STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half"}
+    # and `self` calibration text, the default when it ran
+    STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
+                     "calibration_data": SELF}
     STUDY_GAP_VARIANTS = {  # the paper's four adapters, the old default (coordinate init, task warm-up, no
         # skips) and the stage-2 guard
         "no-skip": {"adapter_skip": False},
@@ -150,6 +154,9 @@ class RevFFNMethod(Method):
         if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
             from revffn.data.calibration import file_rows
             from revffn.data.tokenizer import model_tokenizer
+            from revffn.models.loading import check_model_ref
+
+            check_model_ref(cfg.model)  # a bad model reference is the error to report, not its tokenizer's
 
             file_rows(opts["calibration_data"], model_tokenizer(cfg.model, cfg.tokenizer), opts["calibration_tokens"],
                       "revffn.calibration_data", budget_key="revffn.calibration_tokens")

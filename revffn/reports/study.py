@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import UserError
 from revffn.progress import progress
 
@@ -350,7 +351,8 @@ def convert_once(plan: StudyPlan, out: Path, log=print) -> dict | None:
         manifest = json.loads((dest / "revffn.json").read_text())
         flags = dict(zip(plan.base.convert[::2], plan.base.convert[1::2]))
         made = manifest.get("convert", {})
-        want = {"converted_from": plan.base.model, "calibration_data": flags.get("--calibration-data", "self"),
+        want = {"converted_from": plan.base.model,
+                "calibration_data": flags.get("--calibration-data", DEFAULT_CALIBRATION),
                 "calibration_tokens": int(flags.get("--calibration-tokens", 32768))}
         have = {"converted_from": manifest.get("converted_from"), "calibration_data": made.get("calibration_data"),
                 "calibration_tokens": made.get("calibration_tokens")}

@@ -26,6 +26,7 @@ import torch
 
 from revffn.conversion.causal_lm import CausalLM
 from revffn.conversion.convert import STREAM_WIDTHS, convert
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
@@ -49,7 +50,7 @@ class ConvertSpec:
 
     model: str
     out: str
-    calibration_data: str = SELF
+    calibration_data: str = DEFAULT_CALIBRATION
     calibration_tokens: int = 32768
     heal_steps: int = 0
     heal_data: str = SELF

@@ -76,17 +76,23 @@ def test_cached_teacher_holds_no_weight_copy_and_is_reused(tmp_path):
     assert [r["loss"] for r in metrics(tmp_path / "run")] == pytest.approx(ref, abs=1e-6)
 
 
-def test_a_cache_of_other_data_exits_2_naming_the_key(tmp_path, capsys):
+def test_a_cache_of_other_data_exits_2_and_a_cut_build_is_rebuilt(tmp_path, capsys):
     cache = tmp_path / "cache"
-    _train(tmp_path / "first", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
+    _train(tmp_path / "first", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=2")
     before = sorted(p.name for p in cache.iterdir())
-    code = main(["train", *TINY, "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}",
-                 "data=builtin:commas_train", f"output_dir={tmp_path / 'second'}"])
+    first = json.loads((cache / "manifest.json").read_text())["data_sha256"]
+    other = ["revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "data=builtin:commas_train",
+             "max_steps=2"]
+    code = main(["train", *TINY, *other, f"output_dir={tmp_path / 'second'}"])
     err = capsys.readouterr().err
     assert code == 2
     assert "revffn.teacher_cache" in err and "another data set" in err and "Fix:" in err
     assert sorted(p.name for p in cache.iterdir()) == before
     assert not (tmp_path / "second" / "final").exists()
+    # a build that stopped before its manifest (killed) leaves rank files only: the next run recomputes them
+    (cache / "manifest.json").unlink()
+    _train(tmp_path / "third", *other)
+    assert json.loads((cache / "manifest.json").read_text())["data_sha256"] != first  # computed on the new data
 
 
 def test_streaming_with_a_cached_teacher_is_refused():
@@ -106,12 +112,3 @@ def test_the_estimate_counts_each_teacher_route():
     assert copy["weights"] - plain["weights"] == plain["total_params"] * 2
     assert cached["weights"] - plain["weights"] == head * 2  # the head's copy alone
     assert any("cached teacher" in n for n in cached["notes"]) and any("teacher copy" in n for n in cached["notes"])
-
-
-def test_a_cut_build_is_rebuilt(tmp_path):
-    """A build that stopped before its manifest (killed) leaves rank files only: the next run recomputes them."""
-    cache = tmp_path / "cache"
-    _train(tmp_path / "first", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
-    (cache / "manifest.json").unlink()
-    _train(tmp_path / "second", "revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=3")
-    assert (cache / "manifest.json").is_file()

@@ -58,10 +58,11 @@ def _prompts(path: Path) -> set[str]:
 
 def test_builtin_files_are_regenerated_identically(tmp_path):
     written = tasks.write_builtin(tmp_path)
-    # written by other scripts: retention_test.jsonl (the base's held-out pretraining text) by
-    # pretrain_base.py, pydoc_text.jsonl and pydoc_calibration.jsonl by make_pydoc_text.py, smollm2_probes.jsonl by
-        # smollm2_probes.py
-    others = {"retention_test.jsonl", "pydoc_text.jsonl", "pydoc_calibration.jsonl", "smollm2_probes.jsonl"}
+    # written by other scripts: retention_test.jsonl (the base's held-out pretraining text) by pretrain_base.py,
+    # pydoc_text.jsonl, pydoc_calibration.jsonl and stdlib_text.jsonl by make_pydoc_text.py, smollm2_probes.jsonl by
+    # smollm2_probes.py
+    others = {"retention_test.jsonl", "pydoc_text.jsonl", "pydoc_calibration.jsonl", "stdlib_text.jsonl",
+              "smollm2_probes.jsonl"}
     assert {p.name for p in written} == {p.name for p in BUILTIN_DIR.glob("*.jsonl")} - others
     for path in written:
         assert path.read_bytes() == (BUILTIN_DIR / path.name).read_bytes(), path.name
@@ -123,6 +124,15 @@ def test_pydoc_calibration_is_regenerated_identically_and_disjoint_from_the_eval
     calibration = {json.loads(line)["text"] for line in shipped.splitlines()}
     held_out = {json.loads(line)["text"] for line in (BUILTIN_DIR / "pydoc_text.jsonl").read_text().splitlines()}
     assert len(calibration) > 5 * len(held_out) and not calibration & held_out
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the standard library's docstrings change between versions")
+def test_stdlib_text_is_regenerated_identically_and_shares_no_piece_with_the_eval_text():
+    shipped = (BUILTIN_DIR / "stdlib_text.jsonl").read_text(encoding="utf-8")
+    assert shipped == make_pydoc_text.render(make_pydoc_text.stdlib_text())
+    text = [json.loads(line)["text"] for line in shipped.splitlines()]
+    held_out = [json.loads(line)["text"] for line in (BUILTIN_DIR / "pydoc_text.jsonl").read_text().splitlines()]
+    assert len(text) > 500 and not [h for h in held_out if any(h in t or t in h for t in text)]
 
 
 def test_pydoc_text_is_held_out_text():
