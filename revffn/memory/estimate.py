@@ -369,6 +369,14 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         notes.append(f"offload cpu: {states / 2**30:.2f} GiB of optimizer states in host memory (not counted), "
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
+    # the loading route: every process builds, converts and prepares the whole model on its host, then moves it
+    # (or, under FSDP, its shards) to the device; no meta-device or rank-0-broadcast route yet
+    host_load = total_params * s
+    notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "
+                 "teacher copy) built on the host before it " + ("is sharded" if distributed == "fsdp" else
+                                                               "moves to the device")
+                 + (f"; {world_size} processes on one node: {world_size * host_load / 2**30:.2f} GiB"
+                    if world_size > 1 else ""))
     buckets = gathered = unsharded = 0
     if distributed == "ddp":
         buckets = trainable * a
@@ -407,7 +415,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         "trainable_params": trainable, "total_params": total_params, "notes": notes,
         "method": method.name, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
         "optimizer": optimizer, "optimizer_in_backward": in_backward, "offload": offload, "batch": B, "seq": T,
-        "world_size": world_size, "distributed": distributed,
+        "world_size": world_size, "distributed": distributed, "host_load_bytes": host_load,
     }
 
 

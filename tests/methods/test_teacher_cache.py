@@ -112,3 +112,10 @@ def test_the_estimate_counts_each_teacher_route():
     assert copy["weights"] - plain["weights"] == plain["total_params"] * 2
     assert cached["weights"] - plain["weights"] == head * 2  # the head's copy alone
     assert any("cached teacher" in n for n in cached["notes"]) and any("teacher copy" in n for n in cached["notes"])
+    # the loading route's host memory: the whole model per process, the copy route's teacher with it
+    for est in (plain, copy, cached):
+        assert est["host_load_bytes"] == est["total_params"] * 2
+    sharded = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, world_size=8,
+                       distributed="fsdp")
+    assert sharded["host_load_bytes"] == copy["host_load_bytes"]  # not sharded while loading
+    assert any("8 processes on one node" in n for n in sharded["notes"])
