@@ -146,7 +146,13 @@ class Recipe:
     def _resume(self, path: Path) -> None:
         state = load_checkpoint(path, self.run.model, self.run.optimizer)
         self.step = state["step"]
-        self.order.load_state_dict(state["data_order"])
+        order, (rank, world) = state["data_order"], data_shard()
+        saved = len(order["ranks"]) if "ranks" in order else 1
+        if self.cfg.streaming and saved != world:  # each rank reads its own shard of the stream, from its own place
+            raise UserError(f"resume: {path} is a streamed run saved by {saved} process(es), each at its own place in "
+                            f"its shard of the stream; this run has {world}. Fix: resume with {saved} process(es) "
+                            "(torchrun --nproc-per-node), or start afresh.")
+        self.order.load_state_dict(order["ranks"][rank] if "ranks" in order else order)
         self.run.method.load_state_dict(state["method_state"])
         if self.main:
             _truncate_metrics(self.plan.run_dir / "metrics.jsonl", self.step)
@@ -222,7 +228,7 @@ class Recipe:
         if bool(self.nonfinite):
             raise TrainingDiverged(f"loss became non-finite before the checkpoint at step {self.step}.")
         cfg, run = self.cfg, self.run
-        state = {"step": self.step, "data_order": self.order.state_dict(), "method_state": run.method.state_dict(),
+        state = {"step": self.step, "data_order": self._order_state(), "method_state": run.method.state_dict(),
                  "model": cfg.model, "method": cfg.method, "stage": self.stage}
         barrier()
         if self.main or self.sharded:
@@ -230,6 +236,16 @@ class Recipe:
                             math_config(cfg, self.plan.weights_dtype), cfg.save_total_limit, self.fault,
                             sharded=self.sharded)
         barrier()
+
+    def _order_state(self) -> dict:
+        """The data order's state. A stream is read by each rank from its own shard, so under data parallelism
+        every rank's position is saved (`{"ranks": [...]}`, gathered), and each resumes from its own."""
+        rank, world = data_shard()
+        if not (self.cfg.streaming and world > 1):
+            return self.order.state_dict()
+        states = [None] * world
+        torch.distributed.all_gather_object(states, self.order.state_dict())
+        return {"ranks": states}
 
     def eval_loss(self) -> float:
         plan, run = self.plan, self.run

@@ -129,6 +129,32 @@ def test_data_parallel_equals_one_process(tmp_path, method):
 
 
 @pytest.mark.integration
+def test_a_streamed_run_resumes_each_rank_at_its_own_example(tmp_path):
+    """`streaming: true` on 2 ranks: each reads its own shard of the stream, so each rank's place (examples read,
+    packing carry) is saved, and a resume continues each from its own: the resumed steps' losses are the
+    uninterrupted run's."""
+    import shutil
+
+    import datasets
+
+    rows = [json.loads(line) for line in (REPO / "revffn/assets/data/reversal_train.jsonl").read_text().splitlines()]
+    parquet = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(rows[:200]).to_parquet(parquet)
+    over = [f"data={parquet}", "streaming=true", "packing=true", "method=full", "router_aux_loss_coef=0",
+            "per_device_train_batch_size=2", "distributed=ddp", "max_steps=6", "save_steps=3"]
+    r = _torchrun(tmp_path / "ref", over)
+    assert r.returncode == 0, r.stderr[-3000:]
+    order = json.loads((tmp_path / "ref" / "checkpoints" / "step-3" / "trainer_state.json").read_text())["data_order"]
+    assert len(order["ranks"]) == 2 and order["ranks"][0] != order["ranks"][1]  # two shards, two places
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    r = _torchrun(tmp_path / "run", [*over, "resume=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref, resumed = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    assert len(ref) == len(resumed) == 6
+    assert max(abs(a - b) for a, b in zip(ref[3:], resumed[3:])) <= 1e-6, (ref, resumed)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.slow), "revffn"])  # full: -m slow
 def test_expert_without_tokens_on_one_rank(tmp_path, method, strategy):
