@@ -111,6 +111,11 @@ class Method:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    def frozen_copies(self) -> list[nn.Module]:
+        """Frozen models the method keeps beside the trained one (RevFFN's distillation teacher copy): under FSDP
+        they are sharded like it (`fsdp_units`), so none is whole on every rank."""
+        return []
+
     def before_training(self, model: nn.Module, items: list | None, run_dir: Path) -> None:
         """Once per run, after the model is built (and a checkpoint loaded), before the first step: work over the
         tokenized training set (`items`, (input_ids, labels) pairs; None when the data streams), as RevFFN's

@@ -231,6 +231,9 @@ class RevFFNMethod(Method):
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         return model
 
+    def frozen_copies(self) -> list[nn.Module]:
+        return [self.teacher] if self.teacher is not None else []
+
     def before_training(self, model, items: list | None, run_dir: Path) -> None:
         """distill_teacher cached: open the cache of the training set's teacher hidden states, or build it."""
         if self.opts["distill_coef"] > 0 and self.opts["distill_teacher"] == "cached":
@@ -325,6 +328,10 @@ class RevFFNMethod(Method):
             held.to(device)
         if self.teacher_cache is not None:
             return self.teacher_cache.hidden(ids, mask).to(device), held
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(held, FSDPModule):  # sharded like the student: its root (embeddings, final norm, head) is
+            held.unshard()  # called directly here, and stays gathered (no backward reshards it)
         return teacher_hidden(held, ids, mask), get_path(held.hf, held.spec.head)
 
     def export(self, model, out_dir: Path) -> None:
@@ -388,8 +395,8 @@ class RevFFNMethod(Method):
             teacher = head if distill_teacher == "cached" else copy_params
             notes += (f"revffn distill_coef={distill_coef:g}, distill_teacher={distill_teacher} (counted under "
                       f"weights), with its (B, T, d) final hidden states: a frozen teacher copy of the weights is "
-                      f"{copy_params} params ({copy_params * s / 2**30:.2f} GiB, whole on every rank) plus a "
-                      f"forward per micro-batch; a cached teacher is a copy of the head, {head} params "
+                      f"{copy_params} params ({copy_params * s / 2**30:.2f} GiB; under fsdp sharded like the "
+                      f"model) plus a forward per micro-batch; a cached teacher is a copy of the head, {head} params "
                       f"({head * s / 2**20:.0f} MiB), and {m.d * s} bytes per training token on disk, computed "
                       "once before training",)
         # full width: the final norm reads Y_2 itself (`merge`), in `outside` as its input unless a cast copies it

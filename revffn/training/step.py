@@ -113,6 +113,8 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     model = method.prepare(hf)
     if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
         shard_model(model, method.fsdp_units(model), device)
+        for frozen in method.frozen_copies():  # e.g. a teacher copy: sharded like the model, not whole per rank
+            shard_model(frozen, method.fsdp_units(frozen), device)
     model = model.to(device)
     model.train()
     params = method.optimizer_parameters(model)

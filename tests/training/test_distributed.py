@@ -51,6 +51,9 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
     "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
+    # stage 2's distillation from the frozen copy, which FSDP shards like the student
+    "revffn-distill": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+                        "revffn.adapter_init=coordinate", "revffn.distill_coef=0.5"], 4, 1),
     # stage 2's distillation from the cached teacher: each rank caches its share of the examples (a collective
     # forward under FSDP) and reads any of them back
     "revffn-distill-cached": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
@@ -60,7 +63,7 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
 OTHERS = ["ckpt", "dora", "refta"]  # the remaining methods both strategies train (hift is refused): -m slow
 # in -m slow too (the suite's 15-minute budget): the load-balancing loss per micro-batch, LoRA, the heal stage;
 # full and revffn stay in the default tier
-SLOW = {"full-aux", "lora", "revffn-heal", "revffn-distill-cached"}
+SLOW = {"full-aux", "lora", "revffn-heal", "revffn-distill", "revffn-distill-cached"}
 STRATEGIES = ("ddp", "fsdp")
 TOL = 1e-5  # AdamW at learning_rate 1e-3 moves every trained weight ~1e-3 a step: far beyond it
 
@@ -325,3 +328,22 @@ def test_fsdp_refuses_to_resume_a_whole_model_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="distributed=ddp or none"):
         loop.run(load_config(None, [*TINY, "method=full", "distributed=fsdp", "resume=true", f"output_dir={out}"]))
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_fsdp_shards_the_distillation_teacher_copy_like_the_model(tmp_path):
+    """`distill_coef` with the copy route under FSDP: the teacher's parameters are shards (DTensors), as the
+    student's, not a whole copy per rank (a one-process gloo group is enough to see the placement)."""
+    from torch.distributed.tensor import DTensor
+
+    from revffn.training.step import build_run
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = load_config(None, [*TINY, *METHODS["revffn-distill"][0], f"output_dir={tmp_path / 'run'}"])
+        run = build_run(cfg, torch.device("cpu"), strategy="fsdp")
+        teacher = run.method.teacher
+        assert teacher is not None and teacher is not run.model
+        assert all(isinstance(p, DTensor) for p in teacher.parameters())
+        assert all(isinstance(p, DTensor) for p in run.model.parameters())
+    finally:
+        torch.distributed.destroy_process_group()
