@@ -35,6 +35,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from revffn.data import DEFAULT_CALIBRATION  # the calibrated init's default text
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 32768  # calibration tokens: 256 rows x 128
 TASK_TOKENS = 16384  # commas_train holds ~25k tokens
@@ -176,7 +178,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
     parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
                         "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
-                        "at 1e-4; 5: 1 + a heal on self at auto, the defaults); default all")
+                        "at 1e-4; 5: full, stdlib + a heal on self at auto, the defaults; 6: full, stdlib, the default "
+                        "calibration alone); default all")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where each row converts")
     parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
                         "(e.g. one a GPU wrote) into --docs")
@@ -227,13 +230,15 @@ def main() -> None:
 def real_model(args, out: Path) -> None:
     """A real model's table: half- against full-width streams, `self` against real calibration text, more
     calibration tokens, and the heal on the full-width default."""
-    src = {"self": "self", "pydoc": REAL_CALIBRATION}
+    src = {"self": "self", "pydoc": REAL_CALIBRATION, "stdlib": DEFAULT_CALIBRATION}
     tokens, steps = (1024, 4) if args.quick else (TOKENS, args.heal_steps)
     # (width, calibration text, tokens, heal text, heal steps, heal lr): the heal on the manual at 1e-4 is the best
-    # of docs/conversion.md's CPU schedules; the default heal (`self`, --heal-lr auto) is the last row
+    # of docs/conversion.md's CPU schedules; the defaults (calibrated on builtin:stdlib_text, a heal on `self` at
+    # --heal-lr auto) are row 5, the default calibration alone row 6
     plan = [("half", "self", tokens, None, 0, "auto"), ("full", "self", tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, None, 0, "auto"), ("full", "pydoc", 2 * tokens, None, 0, "auto"),
-            ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "self", tokens, "self", steps, "auto")]
+            ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "stdlib", tokens, "self", steps, "auto"),
+            ("full", "stdlib", tokens, None, 0, "auto")]
     if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
         plan = [plan[int(i)] for i in args.rows.split(",")]
 
