@@ -111,12 +111,17 @@ class Method:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    @classmethod
+    def check_data(cls, cfg, items: list) -> None:
+        """Before the run writes anything: what the method needs of the tokenized training set (`items`;
+        streamed data is not read ahead). RevFFN: a cached teacher computed for this data and model."""
+
     def frozen_copies(self) -> list[nn.Module]:
         """Frozen models the method keeps beside the trained one (RevFFN's distillation teacher copy): under FSDP
         they are sharded like it (`fsdp_units`), so none is whole on every rank."""
         return []
 
-    def before_training(self, model: nn.Module, items: list | None, run_dir: Path) -> None:
+    def before_training(self, model: nn.Module, items: list | None) -> None:
         """Once per run, after the model is built (and a checkpoint loaded), before the first step: work over the
         tokenized training set (`items`, (input_ids, labels) pairs; None when the data streams), as RevFFN's
         cached distillation teacher. Under FSDP every rank calls it, the root gathered."""

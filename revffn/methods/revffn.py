@@ -234,14 +234,29 @@ class RevFFNMethod(Method):
     def frozen_copies(self) -> list[nn.Module]:
         return [self.teacher] if self.teacher is not None else []
 
-    def before_training(self, model, items: list | None, run_dir: Path) -> None:
+    @staticmethod
+    def _cache_at(cfg) -> tuple[Path, str] | None:
+        """distill_teacher cached: (the cache's directory, the model it is for); None on the copy route."""
+        opts = cfg.section("revffn")
+        if not (opts["distill_coef"] > 0 and opts["distill_teacher"] == "cached"):
+            return None
+        path = Path(opts["teacher_cache"]) if opts["teacher_cache"] else Path(cfg.output_dir) / "teacher_cache"
+        return path, f"{cfg.model} {cfg.model_config or ''}".strip()
+
+    @classmethod
+    def check_data(cls, cfg, items: list) -> None:
+        cache = cls._cache_at(cfg)
+        if cache is not None and not (cfg.overwrite and not cfg.resume and not cfg.section("revffn")["teacher_cache"]):
+            from revffn.methods.teacher_cache import check  # (overwrite=true clears the run's own cache)
+
+            check(cache[0], items, cache[1])
+
+    def before_training(self, model, items: list | None) -> None:
         """distill_teacher cached: open the cache of the training set's teacher hidden states, or build it."""
-        if self.opts["distill_coef"] > 0 and self.opts["distill_teacher"] == "cached":
+        if (cache := self._cache_at(self.cfg)) is not None:
             from revffn.methods.teacher_cache import TeacherCache
 
-            path = Path(self.opts["teacher_cache"]) if self.opts["teacher_cache"] else run_dir / "teacher_cache"
-            ref = f"{self.cfg.model} {self.cfg.model_config or ''}".strip()
-            self.teacher_cache = TeacherCache.open(path, model, items, ref)
+            self.teacher_cache = TeacherCache.open(cache[0], model, items, cache[1])
 
     def fsdp_units(self, model) -> list[nn.Module]:
         """What F and G call, one by one: the adapters and the decoder layer's own modules (attention,

@@ -58,6 +58,28 @@ def data_fingerprint(items: list) -> str:
     return h.hexdigest()
 
 
+def check(path: Path, items: list, model_ref: str) -> dict | None:
+    """None when `path` holds the cache of `items` and the model; the manifest to build otherwise (no manifest: none,
+    or a build cut short). A cache of other data or another model, or a directory of other files, is a UserError
+    naming `revffn.teacher_cache` (`training.setup.prepare_run` checks before the run writes anything)."""
+    want = {"format": FORMAT, "data_sha256": data_fingerprint(items), "model": model_ref, "examples": len(items)}
+    if (path / "manifest.json").is_file():
+        held = json.loads((path / "manifest.json").read_text())
+        for field in ("format", "model", "data_sha256"):
+            if held.get(field) != want[field]:
+                raise UserError(
+                    f"{KEY}={str(path)!r}: the cached teacher was computed for another "
+                    f"{'data set' if field == 'data_sha256' else field} ({field} {held.get(field)!r}, this run's "
+                    f"{want[field]!r}). Fix: point {KEY} at a new directory, or delete {path} to recompute it.")
+        return None
+    stray = [p.name for p in path.iterdir() if not p.name.startswith(("hidden-r", "index-r", "."))] \
+        if path.is_dir() else []
+    if stray:
+        raise UserError(f"{KEY}={str(path)!r} holds files that are not a teacher cache ({', '.join(stray[:3])}). "
+                        f"Fix: point {KEY} at a new or empty directory.")
+    return want
+
+
 def _barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -79,30 +101,16 @@ class TeacherCache:
     @classmethod
     def open(cls, path: Path, model: nn.Module, items: list, model_ref: str) -> TeacherCache:
         """The cache at `path` for `items` (the tokenized training set): reused when its manifest matches the data
-        and the model, built when there is none; a mismatch is a UserError naming `revffn.teacher_cache`."""
-        want = {"format": FORMAT, "data_sha256": data_fingerprint(items), "model": model_ref,
-                "examples": len(items)}
-        manifest_path = path / "manifest.json"
-        if manifest_path.is_file():
-            held = json.loads(manifest_path.read_text())
-            for field in ("format", "model", "data_sha256"):
-                if held.get(field) != want[field]:
-                    raise UserError(
-                        f"{KEY}={str(path)!r}: the cached teacher was computed for another "
-                        f"{'data set' if field == 'data_sha256' else field} ({field} {held.get(field)!r}, this run's "
-                        f"{want[field]!r}). Fix: point {KEY} at a new directory, or delete {path} to recompute it.")
+        and the model, built when there is none (`check`)."""
+        want = check(path, items, model_ref)
+        if want is None:
             from revffn.methods.calibration import log_line
 
-            log_line(f"distill teacher: reusing the cached hidden states in {path} ({held['examples']} examples)")
+            log_line(f"distill teacher: reusing the cached hidden states in {path}")
         else:
-            stray = [p.name for p in path.iterdir() if not p.name.startswith(("hidden-r", "index-r", "."))] \
-                if path.is_dir() else []
-            if stray:
-                raise UserError(f"{KEY}={str(path)!r} holds files that are not a teacher cache ({', '.join(stray[:3])})"
-                                f". Fix: point {KEY} at a new or empty directory.")
             _build(path, model, items, want)
         head = copy.deepcopy(get_path(model.hf, model.spec.head)).requires_grad_(False)
-        return cls(path, json.loads(manifest_path.read_text()), _plain(head))
+        return cls(path, json.loads((path / "manifest.json").read_text()), _plain(head))
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         ids = input_ids.cpu()

@@ -134,7 +134,7 @@ class Recipe:
             self._resume(plan.resume_from)
         if self.sharded:  # the method may call the root's modules (embeddings, final norm, head) directly
             unshard_root(self.run.model)
-        self.run.method.before_training(self.run.model, None if cfg.streaming else plan.train_set.items, plan.run_dir)
+        self.run.method.before_training(self.run.model, None if cfg.streaming else plan.train_set.items)
         if self.main:  # before the bar: wandb and mlflow print as they start
             self.trackers = Trackers(cfg, plan.run_dir, self.step)
             self._open.callback(lambda: self.trackers.close(self.failed))

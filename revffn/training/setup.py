@@ -305,6 +305,8 @@ def prepare_run(cfg) -> RunPlan:
                         f"processes x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {step_rows} rows "
                         f"a step, but data holds {len(train_set.items)}: every step would repeat examples. Fix: a "
                         "smaller batch (or global_batch_size), or more data.")
+    if not cfg.streaming:
+        method.check_data(cfg, train_set.items)
     eval_set = None
     if cfg.eval_data:
         eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,

@@ -74,6 +74,11 @@ def test_cached_teacher_holds_no_weight_copy_and_is_reused(tmp_path):
     _train(tmp_path / "run", "revffn.distill_teacher=cached", "save_steps=3", "resume=true")
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamp  # read back, not rebuilt
     assert [r["loss"] for r in metrics(tmp_path / "run")] == pytest.approx(ref, abs=1e-6)
+    # a fresh run over it (overwrite=true) on other data: the run's own cache is cleared with it and rebuilt
+    first = json.loads((cache / "manifest.json").read_text())["data_sha256"]
+    _train(tmp_path / "run", "revffn.distill_teacher=cached", "overwrite=true", "data=builtin:commas_train",
+           "max_steps=1")
+    assert json.loads((cache / "manifest.json").read_text())["data_sha256"] != first
 
 
 def test_a_cache_of_other_data_exits_2_and_a_cut_build_is_rebuilt(tmp_path, capsys):
@@ -88,7 +93,7 @@ def test_a_cache_of_other_data_exits_2_and_a_cut_build_is_rebuilt(tmp_path, caps
     assert code == 2
     assert "revffn.teacher_cache" in err and "another data set" in err and "Fix:" in err
     assert sorted(p.name for p in cache.iterdir()) == before
-    assert not (tmp_path / "second" / "final").exists()
+    assert not (tmp_path / "second").exists()  # refused before the run wrote anything
     # a build that stopped before its manifest (killed) leaves rank files only: the next run recomputes them
     (cache / "manifest.json").unlink()
     _train(tmp_path / "third", *other)
