@@ -246,8 +246,9 @@ class RevFFNMethod(Method):
     @classmethod
     def check_data(cls, cfg, items: list) -> None:
         cache = cls._cache_at(cfg)
-        if cache is not None and not (cfg.overwrite and not cfg.resume and not cfg.section("revffn")["teacher_cache"]):
-            from revffn.methods.teacher_cache import check  # (overwrite=true clears the run's own cache)
+        cleared = cfg.overwrite and not cfg.resume and not cfg.section("revffn")["teacher_cache"]  # the run's own
+        if cache is not None and not cleared:
+            from revffn.methods.teacher_cache import check
 
             check(cache[0], items, cache[1])
 

@@ -110,7 +110,7 @@ class TeacherCache:
         else:
             _build(path, model, items, want)
         head = copy.deepcopy(get_path(model.hf, model.spec.head)).requires_grad_(False)
-        return cls(path, json.loads((path / "manifest.json").read_text()), _plain(head))
+        return cls(path, json.loads((path / "manifest.json").read_text()), head)  # whole: the loop gathered the root
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         ids = input_ids.cpu()
@@ -125,16 +125,6 @@ class TeacherCache:
             r, start, length = self.index[key]
             out[row, :length] = self.files[r].get_slice("hidden")[start : start + length]
         return out.to(input_ids.device)
-
-
-def _plain(head: nn.Module) -> nn.Module:
-    """The head copy as plain tensors (under FSDP2 the model's root holds DTensor shards; the copy is whole)."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in list(head._parameters.items()):
-        if isinstance(p, DTensor):
-            head._parameters[name] = nn.Parameter(p.full_tensor(), requires_grad=False)
-    return head
 
 
 @torch.no_grad()
