@@ -1,5 +1,5 @@
 """Write docs/benchmarks.md from docs/bench/bench.json, docs/bench/sweep.json, docs/bench_peer/sweep.json,
-docs/bench_in_backward/sweep.json and docs/memory_timeline.json.
+docs/bench_in_backward/sweep.json, docs/bench_fold/sweep.json and docs/memory_timeline.json.
 
     python scripts/benchmarks_page.py [BENCH_DIR] [PAGE] [PEER_SWEEP_DIR]
 
@@ -20,6 +20,8 @@ PROFILE = "--model tiny-qwen2-moe --methods full,ckpt,revffn,lora,dora,hift,reft
 PEER = "hf-trainer+ckpt"  # what users would run instead: transformers' Trainer with gradient checkpointing
 INB = ":optimizer_in_backward=true"
 IN_BACKWARD = ["ckpt", "revffn", f"ckpt{INB}", f"revffn{INB}"]  # the in-backward sweep's methods
+CHUNK = "revffn:revffn.recompute_chunk_tokens=1024"
+FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false", CHUNK]  # the fold sweep's (RevFFN's default folds)
 COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --threads 1 --out docs/bench",
             f"revffn bench {PROFILE} --steps 1 --sweep layers=4,8,16,32 --out docs/bench",
             "revffn bench --model tiny-qwen2-moe --methods ckpt,revffn --hidden 256 --batch 4 --layers 16 --steps 2 "
@@ -29,6 +31,9 @@ COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --
             "revffn bench --model tiny-qwen2-moe --methods revffn,revffn:revffn.recompute_chunk_tokens=1024,"
             "revffn:revffn.recompute_chunk_tokens=512 --set revffn.adapter_init=coordinate --hidden 256 --batch 4 "
             f"--layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_chunks",
+            f"revffn bench --model tiny-qwen2-moe --methods {','.join(FOLD)} --set revffn.adapter_init=coordinate "
+            f"--hidden 256 --batch 4 --layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 "
+            "--out docs/bench_fold",
             "python scripts/memory_timeline.py --out docs/memory_timeline.json",
             "python scripts/benchmarks_page.py"]
 
@@ -37,8 +42,8 @@ def _ok(data: dict) -> dict[str, dict]:
     return {r["method"]: r for r in data["results"] if r.get("status") == "ok"}
 
 
-def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_backward: dict | None = None
-            ) -> list[tuple[str, str, float | None, bool | None]]:
+def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_backward: dict | None = None,
+            fold: dict | None = None) -> list[tuple[str, str, float | None, bool | None]]:
     """(what, goal, reached, met) for each target of the issues (23: against full and ckpt; 24: against the peer)."""
     rows = _ok(bench)
 
@@ -78,7 +83,40 @@ def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_
             what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
             test = (lambda x, b=bound: x <= b) if bound is not None else (lambda x: x >= 0.85)
             out.append((f"seq {value}: {what}, revffn + optimizer_in_backward ÷ {PEER}", goal, r, test))
+    for value in (fold or {}).get("sweep", {}).get("values", []):  # the crossover with the P_down adapters folded
+        at = {r["method"]: r for r in fold["results"] if r["value"] == value and r.get("status") == "ok"}
+        goals = [("peak_mem_bytes", "≤ 1.00", lambda x: x <= 1.0)] if value < 2048 else [
+            ("peak_mem_bytes", "≤ 0.80", lambda x: x <= 0.8), ("tokens_per_s", "≥ 0.85", lambda x: x >= 0.85)]
+        for method in ("revffn", CHUNK):
+            for key, goal, test in goals:
+                r = at[method][key] / at[PEER][key] if method in at and PEER in at else None
+                what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
+                label = "revffn (folded)" if method == "revffn" else "revffn (folded), 1024-token chunks"
+                out.append((f"seq {value}: {what}, {label} ÷ {PEER}", goal, r, test))
     return [(w, g, v, None if v is None else bool(test(v))) for w, g, v, test in out]
+
+
+def fold_section(fold: dict) -> list[str]:
+    """The P_down adapters folded into the layers at stage 2 (`revffn.fold_adapters`, the default) against not."""
+    lines = [f"## P_down folded into the layers (`revffn.fold_adapters`), against {PEER}", "",
+             _body(sweep_markdown(fold)), "", "![sweep: RevFFN folded, unfolded and chunked](bench_fold/sweep.png)", ""]
+    at = {(r["method"], r["value"]): r for r in fold["results"] if r.get("status") == "ok"}
+    unfolded = "revffn:revffn.fold_adapters=false"
+    for value in fold["sweep"]["values"]:
+        if all((m, value) in at for m in ("revffn", unfolded, PEER)):
+            a, b, p = at[("revffn", value)], at[(unfolded, value)], at[(PEER, value)]
+            lines.append(f"- seq {value}: folding took RevFFN from {b['peak_mem_bytes'] / 2**20:.1f} to "
+                         f"{a['peak_mem_bytes'] / 2**20:.1f} MiB ({b['peak_mem_bytes'] / p['peak_mem_bytes']:.3f}x "
+                         f"-> {a['peak_mem_bytes'] / p['peak_mem_bytes']:.3f}x the peer's) and from "
+                         f"{b['tokens_per_s']:.0f} to {a['tokens_per_s']:.0f} tokens/s "
+                         f"({b['tokens_per_s'] / p['tokens_per_s']:.3f}x -> "
+                         f"{a['tokens_per_s'] / p['tokens_per_s']:.3f}x); trainable parameters "
+                         f"{b['trainable_params'] / 1e6:.2f} M -> {a['trainable_params'] / 1e6:.2f} M.")
+    lines += ["- Stage 2 multiplies each P_down into its branch's output projection and down projections "
+              "(`revffn/conversion/fold.py`, docs/engine.md): the same function, 2·d² fewer trainable parameters a "
+              "layer (with their gradients and AdamW moments) and two fewer d × d matmuls per token in the forward, "
+              "the recompute and the backward. The skips stay.", ""]
+    return lines
 
 
 def _body(markdown: str) -> str:
@@ -122,7 +160,7 @@ def timeline_section(rows: list[dict]) -> list[str]:
 
 
 def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_backward: dict | None = None,
-         timeline: list[dict] | None = None) -> str:
+         timeline: list[dict] | None = None, fold: dict | None = None) -> str:
     meta, info = bench["meta_info"], bench["run_info"]
     threads = meta.get("torch_threads")
     lines = ["# Benchmarks", "",
@@ -136,7 +174,7 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
              "Each method runs in a fresh process (`revffn.reports.workers.bench`), built and stepped as `revffn "
              "train` does (revffn in stage 2, hift cycling its groups); one warm-up step, then the timed steps.",
              "", "## Targets", "", "| target | goal | reached | met |", "|---|---|---:|---|"]
-    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward):
+    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, fold):
         shown = "n/a" if value is None else f"{value:.3f}"
         lines.append(f"| {what} | {goal} | {shown} | {'n/a' if met is None else 'yes' if met else '**no**'} |")
     lines += ["", "## Bench: every method, 16 layers", "", _body(bench_markdown(bench)), "",
@@ -156,6 +194,8 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
                   _body(sweep_markdown(peer_sweep)), "",
                   "![sweep: memory, saved bytes and tokens/s vs sequence length, with the peer](bench_peer/sweep.png)",
                   ""]
+    if fold:
+        lines += fold_section(fold)
     if timeline:
         lines += timeline_section(timeline)
     if in_backward:
@@ -188,8 +228,9 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "`revffn.recompute_chunk_tokens` (4096 by default; 0 before this change, the whole batch): at seq "
               "2048 its peak went from 657 to 579 MiB (2048-token chunks: 565) at the same tokens/s. What remains "
               "above the peer at short sequences is RevFFN's own static memory: its adapters (4·d² a layer at full "
-              "stream width, 4.2 M parameters here, 67 MB with their gradients and AdamW states) against the "
-              "activations it saves over checkpointing (the 16 layer inputs, 39 MiB at seq 512).",
+              "stream width, 4.2 M parameters here, 67 MB with their gradients and AdamW states; 2·d² in stage 2 "
+              "since P_down folds into the layers, the section above) against the activations it saves over "
+              "checkpointing (the 16 layer inputs, 39 MiB at seq 512).",
               "- The attention branch F is now recomputed by chunks of whole sequences too (at most "
               "`recompute_chunk_tokens` tokens a chunk, at least one sequence). Its peak, from torch.profiler's "
               "timeline (`python scripts/memory_timeline.py --method revffn --seq S --set "
@@ -241,14 +282,18 @@ def main(argv: list[str]) -> int:
     in_backward = json.loads(inb_path.read_text()) if inb_path.is_file() else None
     tl_path = ROOT / "docs" / "memory_timeline.json"
     timeline = json.loads(tl_path.read_text()) if tl_path.is_file() else None
+    fold_path = ROOT / "docs" / "bench_fold" / "sweep.json"
+    fold = json.loads(fold_path.read_text()) if fold_path.is_file() else None
     render_dir(bench_dir)  # the .md and .png next to the JSON, from the JSON
+    if fold:
+        render_dir(fold_path.parent)
     if peer_sweep:
         render_dir(peer_dir)
     if in_backward:
         render_dir(inb_path.parent)
-    out.write_text(page(bench, sweep, peer_sweep, in_backward, timeline))
+    out.write_text(page(bench, sweep, peer_sweep, in_backward, timeline, fold))
     print(f"wrote {out}")
-    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward):
+    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, fold):
         print(f"  {what}: {'n/a' if value is None else f'{value:.3f}'} (goal {goal}) {'' if met else 'NOT MET'}")
     return 0
 

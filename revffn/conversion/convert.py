@@ -124,6 +124,7 @@ class HFRevBlock(RevBlock):
         F(X_2) = P_down_attn( attn_branch(X_2) ) + P_skip_attn(X_2)
         G(Y_1) = P_down_moe( mlp_branch(Y_1) )   + P_skip_moe(Y_1)
 
+    (Stage 2 may fold P_down into the branch's last linear maps: `conversion.fold`; the adapter is then None.)
     Each branch then sees every coordinate of the model's residual, massive-activation dimensions
     included, which the half-width streams split between them (docs/conversion.md: on SmolLM2 the
     half-width conversion loses +8 nats, the full-width one far less).
@@ -176,6 +177,12 @@ class HFRevBlock(RevBlock):
         self.p_skip_attn = nn.Linear(h, h, **kw) if skip else None
         self.p_skip_moe = nn.Linear(h, h, **kw) if skip else None
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the branches compute in: the layer's weights' (the adapters', while they exist)."""
+        return self.p_skip_attn.weight.dtype if self.p_skip_attn is not None else next(
+            self.base_layer.parameters()).dtype
+
     def adapters(self) -> list[nn.Linear]:
         """The projection adapters this block adds to its HF layer (half width: 4, or 6 with the skips;
         full width: 2, or 4)."""
@@ -190,21 +197,21 @@ class HFRevBlock(RevBlock):
                             f"{mask.ndim}-D one for `{LINEAR_MASK}` layers. Fix: train without padding (pack the "
                             f"sequences), or use a revffn version that builds the linear-attention mask.")
         with sctx.autocast():
-            x_in = X_2.to(self.p_down_attn.weight.dtype)
+            x_in = X_2.to(self.weight_dtype)
             x_up = x_in if self.p_up_attn is None else self.p_up_attn(x_in)
             x = attn_branch(self.base_layer, self.spec, self.mixer, x_up, sctx.position_embeddings,
                             mask, self.branch_scale, self.branch_dropout, sctx.cache)
-            out = self.p_down_attn(x)
+            out = x if self.p_down_attn is None else self.p_down_attn(x)  # None: folded into the branch
             if self.p_skip_attn is not None:
                 out = out + self.p_skip_attn(x_in)
             return out.to(X_2.dtype)
 
     def G(self, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:  # noqa: N802
         with sctx.autocast():
-            y_in = Y_1.to(self.p_down_moe.weight.dtype)
+            y_in = Y_1.to(self.weight_dtype)
             y_up = y_in if self.p_up_moe is None else self.p_up_moe(y_in)
             x = mlp_branch(self.base_layer, self.spec, y_up, self.branch_scale, self.branch_dropout)
-            out = self.p_down_moe(x)
+            out = x if self.p_down_moe is None else self.p_down_moe(x)
             if self.p_skip_moe is not None:
                 out = out + self.p_skip_moe(y_in)
             return out.to(Y_1.dtype)

@@ -111,6 +111,13 @@ class Method:
         set_requires_grad(model, {id(p) for p in self.optimizer_parameters(model)})
         return self.name
 
+    def restructure(self, model: nn.Module, step: int) -> list[nn.Parameter]:
+        """Change the model's structure before `step` (0-based), and return the parameters removed from it (the
+        loop takes them out of the optimizer; `training.step.restructure`). Called before every step and, on a
+        resume, before the checkpoint is loaded, so the model has the structure the checkpoint was saved with.
+        Default: the structure never changes. (RevFFN folds its P_down adapters into the layers at stage 2.)"""
+        return []
+
     @classmethod
     def check_data(cls, cfg, items: list) -> None:
         """Before the run writes anything: what the method needs of the tokenized training set (`items`;

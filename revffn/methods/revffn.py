@@ -13,7 +13,10 @@ failure for retention, docs/conversion.md). Stage 2: everything trains except th
 (`freeze_router: true`, for routing stability); `distill_coef` > 0 adds KL to the original model on
 each training batch, its teacher a frozen copy of the weights taken before training (+1x weights).
 One AdamW holds every parameter that will ever train; frozen ones have no gradient, so AdamW skips
-them and keeps the adapters' state across the boundary.
+them and keeps the adapters' state across the boundary. At full width with `fold_adapters` (the default),
+stage 2 starts by multiplying each P_down into its branch's last linear maps (`conversion.fold`, the
+`restructure` hook): the same function, and P_down, its gradient and its AdamW moments are gone; the
+skips keep theirs.
 
 Trades: activation memory flat in depth (two streams, d wide each by default, + one layer) for one extra forward per
 layer in backward; grads and optimizer states stay those of full fine-tuning. `recompute_chunk_tokens`
@@ -88,6 +91,10 @@ class RevFFNMethod(Method):
                                "teacher_cache, and a copy of the head only)", choices=DISTILL_TEACHERS),
         "teacher_cache": Key(str, "", "distill_teacher cached: its directory (empty: OUTPUT_DIR/teacher_cache), "
                              "reused while the data and the model are the same", path=True),
+        "fold_adapters": Key(bool, True, "stage 2, full width: multiply each P_down into its branch's last linear maps "
+                             "(attention's output projection, the experts' down projections) and drop it: the same "
+                             "function, 2 d^2 fewer trainable parameters a layer and two fewer d x d matmuls per token "
+                             "(conversion.fold; not with optimizer_offload)"),
         "recompute_chunk_tokens": Key(int, RECOMPUTE_CHUNK_TOKENS, "backward: recompute and back-propagate each "
                                       "layer's MoE branch by chunks of N tokens, and its attention by chunks of "
                                       "whole sequences of at most N tokens (at least one), so its working set is "
@@ -95,7 +102,7 @@ class RevFFNMethod(Method):
                                       "recomputed whole)", min=0),
     }
     ESTIMATE_KEYS = ("freeze_router", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
-                     "distill_teacher", "recompute_chunk_tokens")
+                     "distill_teacher", "recompute_chunk_tokens", "fold_adapters")
     ESTIMATE_OPTIONS = {
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
@@ -106,6 +113,8 @@ class RevFFNMethod(Method):
     heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
     norm_originals: list | None = None  # heal_norms: the norm weights before training (the teacher's)
     reversible = True  # whether the prepared model runs reversibly outside a heal with heal_hidden_coef
+    fold_plan: list | None = None  # fold_adapters: the [layer, adapter] pairs folded at stage 2 (None: not yet)
+    folded_here = False  # whether this process's model has had fold_plan applied
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     # the defaults (calibrated, heal on self) at the paper's half width: the study of docs/study.md ran on the 4-layer
     # builtin:base at it, which learns the toy tasks faster than full width (the quickstart: 90 % against 62 %)
@@ -200,11 +209,28 @@ class RevFFNMethod(Method):
         return self._prepare_stages(model)
 
     def state_dict(self) -> dict:
-        """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report)."""
-        return {"calibration": self.calibration} if self.calibration else {}
+        """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
+        which adapters stage 2 folded (a resume folds the same ones before loading the checkpoint)."""
+        return {**({"calibration": self.calibration} if self.calibration else {}),
+                **({"folded": self.fold_plan} if self.fold_plan is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.calibration = state.get("calibration", self.calibration)
+        self.fold_plan = state.get("folded", self.fold_plan)
+
+    def restructure(self, model, step: int) -> list[nn.Parameter]:
+        """fold_adapters: at the first stage-2 step, fold each branch's P_down into its layer (`conversion.fold`),
+        or on a resume the ones the checkpoint's run folded. Not with optimizer_offload (torchao's offload wrapper
+        holds a parameter list it cannot drop from) nor at half width (P_down narrows the branch)."""
+        if (self.folded_here or not self.opts["fold_adapters"] or self.cfg.optimizer_offload != "none"
+                or self.opts["stream_width"] != "full"
+                or (self.fold_plan is None and self.stage(step) != "joint")):
+            return []
+        from revffn.conversion.fold import fold_adapters
+
+        removed, self.fold_plan = fold_adapters(model, only=self.fold_plan)
+        self.folded_here = True
+        return removed
 
     def _prepare_stages(self, model: nn.Module) -> nn.Module:
         """The heal's text source (stage 1) and the frozen teacher copy (stage 2, distill_coef > 0)."""
@@ -351,7 +377,11 @@ class RevFFNMethod(Method):
         return teacher_hidden(held, ids, mask), get_path(held.hf, held.spec.head)
 
     def export(self, model, out_dir: Path) -> None:
-        """The converted model as transformers loads it with remote code (`models.hf_remote`), and revffn.json."""
+        """The converted model as transformers loads it with remote code (`models.hf_remote`), and revffn.json. A
+        folded P_down is written as the identity (`conversion.fold.unfold`): the layout every converted model has."""
+        from revffn.conversion.fold import unfold
+
+        unfold(model)
         save_converted(model, out_dir)
         start = {"converted_from": self.converted_from} if self.converted_from else \
             {"adapter_init": self.opts["adapter_init"]}
@@ -362,7 +392,8 @@ class RevFFNMethod(Method):
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
                      adapter_skip: bool = True, distill_coef: float = 0.0, distill_teacher: str = "copy",
-                     recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full") -> MemoryTerms:
+                     recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full",
+                     fold_adapters: bool = True) -> MemoryTerms:
         """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
         (`compact_index_dtype` per token and choice), plus the mask and what outside the layers saves.
         Backward: one layer's full-width working set, plus the adapters' inputs (and the load-balancing
@@ -381,11 +412,13 @@ class RevFFNMethod(Method):
         w = m.d // 2 if stream_width == "half" else m.d  # a stream's width
         # half: 4 d/2 x d projections (2 d^2) and 2 d/2 x d/2 skips (d^2/2); full: 2 d x d P_down (2 d^2), 2 d x d skips
         skips = counts["adapters_revffn_skip"] * (1 if stream_width == "half" else 4)
-        adapters = counts["adapters_revffn"] + (skips if adapter_skip else 0)
+        # stage 2 at full width with fold_adapters: P_down is folded into the layers (assumed of every layer)
+        folded = stage == 2 and fold_adapters and stream_width == "full"
+        adapters = (0 if folded else counts["adapters_revffn"]) + (skips if adapter_skip else 0)
         trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
         # per branch: P_up's input (a d/2 half; full width has no P_up) and P_down's (d-wide)
-        extra = (N * (m.d // 2) * s if stream_width == "half" else 0) + N * m.d * s
+        extra = (N * (m.d // 2) * s if stream_width == "half" else 0) + (0 if folded else N * m.d * s)
         chunk = min(recompute_chunk_tokens, N) / N if recompute_chunk_tokens else 1.0
         f_chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
         working = max(int((ctx.layers[i] - ctx.ffn[i] + extra) * f_chunk)
@@ -401,7 +434,7 @@ class RevFFNMethod(Method):
                     if 0 < recompute_chunk_tokens < N else "")
                  + (f", its attention's by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
                     if f_chunk < 1 else ""),
-                 f"revffn: {adapters} adapter params; {state}",
+                 f"revffn: {adapters} adapter params{' (P_down folded into the layers)' if folded else ''}; {state}",
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
                  f"fp64 accumulators on the device, {2 * m.d * 4} bytes per calibration token of layer inputs on "
                  "the host; a heal step is stage 1 (--option stage=1) plus one no-grad teacher forward")

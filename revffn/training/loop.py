@@ -83,7 +83,7 @@ from revffn.training.setup import (
     saved_config_text,
     verify_resume,
 )
-from revffn.training.step import StepResult, build_run, train_step
+from revffn.training.step import StepResult, build_run, restructure, train_step
 from revffn.training.trackers import Trackers
 from revffn.training.watch import RunWatch, append_event, run_in_child
 
@@ -144,6 +144,9 @@ class Recipe:
         self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a")) if self.main else None
 
     def _resume(self, path: Path) -> None:
+        saved = read_trainer_state(path)
+        self.run.method.load_state_dict(saved.get("method_state", {}))  # e.g. which adapters RevFFN folded
+        restructure(self.run, saved["step"] - 1)  # the structure the checkpoint's last step ran with
         state = load_checkpoint(path, self.run.model, self.run.optimizer)
         self.step = state["step"]
         order, (rank, world) = state["data_order"], data_shard()

@@ -151,16 +151,32 @@ class InBackward:
         self.partial = partial if partial is not None else PartialGradients()  # never raised: no chunked recompute
         self.optimizers = [cls([{"params": [p], "weight_decay": weight_decay if p.ndim >= 2 else 0.0}], **kwargs)
                            for p in self.params]
-        total = sum(p.numel() for p in self.params)
-        self.bounds = [max_grad_norm * (p.numel() / total) ** 0.5 for p in self.params]  # per-parameter clip
         self.max_grad_norm = max_grad_norm
+        self._share_bounds()
         self._sq_norm: torch.Tensor | None = None  # on the device: no host sync per parameter
         self.largest_grad_bytes = 0  # the largest gradient held at once (what the bench reports)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(opt, bound))
-                         for p, opt, bound in zip(self.params, self.optimizers, self.bounds)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(opt)) for p, opt in
+                         zip(self.params, self.optimizers)]
 
-    def _hook(self, optimizer, bound: float):
+    def _share_bounds(self) -> None:
+        """Each parameter's clip bound: its share of `max_grad_norm` by size (module doc)."""
+        total = sum(p.numel() for p in self.params)
+        self.bounds = {id(p): self.max_grad_norm * (p.numel() / total) ** 0.5 for p in self.params}
+
+    def drop(self, params: list[nn.Parameter]) -> None:
+        """Stop optimizing `params` (their optimizers, states and hooks go); the clip bounds are shared out again
+        over what is left."""
+        ids = {id(p) for p in params}
+        keep = [i for i, p in enumerate(self.params) if id(p) not in ids]
+        for i in set(range(len(self.params))) - set(keep):
+            self._handles[i].remove()
+        self.params, self.optimizers, self._handles = ([xs[i] for i in keep] for xs in (
+            self.params, self.optimizers, self._handles))
+        self._share_bounds()
+
+    def _hook(self, optimizer):
         def step(p: torch.Tensor) -> None:
+            bound = self.bounds[id(p)]
             # None: RevFFN's stack Function hands its parameters an undefined gradient after its backward
             # already stepped and freed them block by block; partial: a chunked recompute has more to add
             if p.grad is None or self.partial.active():
@@ -203,3 +219,16 @@ class InBackward:
                             "(or for other parameters). Fix: resume with the optimizer settings it was saved with.")
         for opt, s in zip(self.optimizers, state["in_backward"]):
             opt.load_state_dict(s)
+
+
+def drop_parameters(optimizer, params: list[nn.Parameter]) -> None:
+    """Take `params` out of `optimizer` (their groups' entries and their states): a method removed them from the
+    model (RevFFN's folded adapters), so their memory goes with them."""
+    if isinstance(optimizer, InBackward):
+        optimizer.drop(params)
+        return
+    ids = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in ids]
+    for p in params:
+        optimizer.state.pop(p, None)

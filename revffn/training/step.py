@@ -6,6 +6,7 @@
 `build_run` builds what a run steps: the method, its prepared model (train mode, on the device) and
 AdamW over the method's `optimizer_parameters`. `train_step` is one optimizer step of `revffn train`:
 
+    method.restructure(model, step)                 # e.g. RevFFN folds its adapters at stage 2 (`restructure`)
     stage = method.set_trainable(step)
     lr    = lr_at(method.schedule_position(step), method.schedule_length(max_steps), ...)
     micro_batches = method.step_batches(step)       # the task's, or what the method's stage trains on
@@ -50,7 +51,7 @@ from revffn.methods import Method, method_class
 from revffn.methods.base import TokenSum
 from revffn.models.loading import load_hf
 from revffn.training.config import TrainConfig
-from revffn.training.optim import InBackward, build_optimizer, set_lr
+from revffn.training.optim import InBackward, build_optimizer, drop_parameters, set_lr
 from revffn.training.parallel import DDPModel, shard_model, unshard_root
 from revffn.training.schedule import lr_at
 
@@ -124,6 +125,16 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     return Run(cfg, method, hf, model, params, optimizer, device, autocast, strategy)
 
 
+def restructure(run: Run, step: int) -> None:
+    """The method's change of the model's structure before `step` (`Method.restructure`: RevFFN folds its P_down
+    adapters at stage 2); the parameters it removed leave `run.params` and the optimizer, states included."""
+    removed = run.method.restructure(run.model, step)
+    if removed:
+        ids = {id(p) for p in removed}
+        run.params = [p for p in run.params if id(p) not in ids]
+        drop_parameters(run.optimizer, removed)
+
+
 def forward_module(run: Run) -> nn.Module:
     """The module the step's forward calls: `run.model`, or under DDP its wrapper for the parameters
     that require grad now. Every parameter that requires grad must get a gradient in every backward
@@ -155,6 +166,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
         forward_context: entered around each forward, inside autocast (the bench logs saved tensors).
         after_backward: called once after the last backward, before clipping (the bench counts grads).
     """
+    restructure(run, step)
     cfg, method, model, optimizer = run.cfg, run.method, run.model, run.optimizer
     stage = method.set_trainable(model, step, optimizer)
     lr = lr_at(method.schedule_position(step), method.schedule_length(cfg.max_steps), cfg.learning_rate,

@@ -57,10 +57,11 @@ def test_fsdp_per_gpu_and_the_gpus_needed(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     for word in ("per GPU (distributed fsdp, world size 8)", "gathered_params", "unsharded_grads",
-                 "fsdp: fits on 7 or more GPUs of 80GB", "GPUs"):
+                 "fsdp: fits on 6 or more GPUs of 80GB", "GPUs"):
         assert word in out, word
-    assert cli.main([*argv, "--json"]) == 0
-    est = json.loads(capsys.readouterr().out)
-    # full-width streams (the default): 7 GPUs; 6 at half width
-    assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", 7)
-    assert {r["optimizer"]: r["gpus"] for r in est["configurations"] if r["offload"] == "none"}["adamw"] == 7
+    # full-width streams (the default): 6 GPUs with stage 2's P_down folded into the layers (the default), 7 without
+    for option, gpus in (([], 6), (["--option", "fold_adapters=false"], 7)):
+        assert cli.main([*argv, *option, "--json"]) == 0
+        est = json.loads(capsys.readouterr().out)
+        assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", gpus)
+        assert {r["optimizer"]: r["gpus"] for r in est["configurations"] if r["offload"] == "none"}["adamw"] == gpus

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import conversion_gap
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,7 @@ def test_the_committed_table_is_the_rendering_of_the_committed_json():
     assert table == conversion_gap.render(json.loads((ROOT / "docs" / "conversion.json").read_text()))
 
 
+@pytest.mark.integration  # runs the script in a subprocess (`--render`)
 def test_a_real_models_table_adds_probes_and_tokens_to_target(tmp_path):
     """A real model's rows carry the probes answered and, for a heal measured along the way, the heal tokens until
     base + 0.2 (or "not reached"); `--render` rewrites the page's table from a JSON written elsewhere (a GPU)."""
