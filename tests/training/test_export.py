@@ -10,6 +10,7 @@ from revffn.cli import main
 from revffn.conversion.calibrate import calibrate
 from revffn.conversion.convert import convert
 from revffn.conversion.heal import norm_parameters
+from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import calibration_rows, row_batches
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
@@ -157,10 +158,10 @@ def test_a_heal_that_diverges_exits_2_naming_the_lr_and_writes_nothing(tmp_path,
 
 def test_heal_lowers_retention_loss():
     """A few KL steps on text sampled from the base lower the loss on held-out pretraining text, through the
-    training loop's step (`revffn convert --heal-steps`)."""
+    training loop's step (`revffn convert --heal-steps`), from the default calibration (no sampling for it)."""
     tok = load_tokenizer(resolve_model_ref("builtin:base"))
     model = convert(load_hf("builtin:base")).eval()
-    calibrate(model, row_batches(calibration_rows("self", tok, model, 2048, "revffn.calibration_data")))
+    calibrate(model, row_batches(calibration_rows(DEFAULT_CALIBRATION, tok, model, 2048, "revffn.calibration_data")))
     before = retention_loss(model, tok, limit=16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
     spec = ConvertSpec("builtin:base", "unused", heal_steps=12, heal_lr=3e-4, heal_batch_size=4, heal_eval_steps=5)
@@ -168,7 +169,7 @@ def test_heal_lowers_retention_loss():
     report = heal_converted(model, spec, print, lambda: retention_loss(model, tok, limit=16), base)
     after = retention_loss(model, tok, limit=16)
     print(before, after, report)
-    assert after < before - 0.03  # measured: 2.825 -> 2.761
+    assert after < before - 0.03  # measured: 4.192 -> 3.515 (calibrated on the default text; 2.825 -> 2.761 on self)
     assert report["kl_last"] < report["kl_first"] and len(report["kl"]) == 12
     # the held-out loss every 5 steps and at the end, after that many heal tokens
     assert [c[0] for c in report["curve"]] == [5, 10, 12] and report["curve"][-1][1:] == [report["tokens"], after]
