@@ -75,12 +75,8 @@ def _fold_branch(P: torch.Tensor, maps: list[tuple[nn.Module, str, str]]) -> Non
     for owner, name, how in maps:
         t = getattr(owner, name)
         w = _full(t).float()
-        if how == "rows":
-            new = torch.matmul(P, w)  # (d, d) @ (d, in), or batched over experts (E, d, in)
-        elif how == "cols":
-            new = torch.matmul(w, P.T)
-        else:
-            new = w @ P.T  # (d,) or (E, d) biases: P b
+        # rows: (d, d) @ (d, in), or batched over experts (E, d, in); cols (..., in, d) and a (d,) bias: x P^T
+        new = torch.matmul(P, w) if how == "rows" else torch.matmul(w, P.T)
         _write(t.data, new.to(t.dtype))
 
 
