@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from revffn.conversion.convert import write_full
 from revffn.conversion.teacher import teacher_context, teacher_layer
 
 ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")  # one fit each (P_down_*: with its skip)
@@ -243,32 +244,52 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     plan = [[n for n in ADAPTERS if getattr(block, n) is not None] for block in model.blocks]  # full width: no P_up
     total = sum(1 if mode == "one_pass" else len(fitted) for fitted in plan) + len(plan) - 1
     for l, (block, fitted) in enumerate(zip(model.blocks, plan)):
-        for group in [fitted] if mode == "one_pass" else [(n,) for n in fitted]:
-            sets = {n: _fitted(block, n) for n in group}
-            fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
-                                getattr(block, n).weight.device) for n in group}
-            _layer_pass(model, inputs, fits, mode == "one_pass")
-            if reduce is not None:
-                for fit in fits.values():
-                    fit.reduce(reduce)
-            passes += 1
-            if progress is not None:
-                progress(passes + l, total)
-            acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
-            for name, fit in fits.items():
-                weight, rel = fit.solve(ridge)
-                for layer, w in zip(sets[name], weight.split([m.in_features for m in sets[name]], dim=1)):
-                    layer.weight.copy_(w.to(layer.weight.dtype))
-                residuals[f"layers.{l}.{name}"] = rel
-                rows = fit.rows
-                if log is not None:
-                    log(f"calibrate layer {l} {name}: relative residual {rel:.4f} ({fit.rows} tokens)")
-        if l + 1 < len(model.blocks):
-            inputs.advance()
-            kept_bytes = max(kept_bytes, inputs.nbytes())
-            if progress is not None:
-                progress(passes + l + 1, total)
+        with _gathered(block.base_layer):  # under FSDP2: gathered once for all its passes
+            for group in [fitted] if mode == "one_pass" else [(n,) for n in fitted]:
+                sets = {n: _fitted(block, n) for n in group}
+                fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
+                                    getattr(block, n).weight.device) for n in group}
+                _layer_pass(model, inputs, fits, mode == "one_pass")
+                if reduce is not None:
+                    for fit in fits.values():
+                        fit.reduce(reduce)
+                passes += 1
+                if progress is not None:
+                    progress(passes + l, total)
+                acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
+                for name, fit in fits.items():
+                    weight, rel = fit.solve(ridge)
+                    for layer, w in zip(sets[name], weight.split([m.in_features for m in sets[name]], dim=1)):
+                        write_full(layer.weight, w)  # a sharded weight (FSDP2): its rows
+                    residuals[f"layers.{l}.{name}"] = rel
+                    rows = fit.rows
+                    if log is not None:
+                        log(f"calibrate layer {l} {name}: relative residual {rel:.4f} ({fit.rows} tokens)")
+            if l + 1 < len(model.blocks):
+                inputs.advance()
+                kept_bytes = max(kept_bytes, inputs.nbytes())
+                if progress is not None:
+                    progress(passes + l + 1, total)
     model.train(was_training)
     return {"residuals": residuals, "passes": passes, "rows": rows, "accumulator_bytes": acc_bytes,
             "kept_bytes": kept_bytes, "mode": mode, "keep_states": keep_states, "ridge": ridge,
             "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+@contextlib.contextmanager
+def _gathered(layer: torch.nn.Module):
+    """FSDP2: the decoder layer's sharded units all-gathered once for all the passes over it (each call would
+    gather and free them again: ~12 all-gathers of each a layer), freed after. Not the adapters: the fits write them.
+    Unsharded models: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in layer.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)

@@ -81,34 +81,60 @@ def init_adapters(block: HFRevBlock, how: str) -> None:
     ``calibrated`` start with P_down = I (Y_1 = X_1 + Attn(X_2), Y_2 = X_2 + MoE(Y_1)), ``zero`` with
     P_down = 0, ``random`` as above.
     """
-    p = block.p_down_attn.weight
+    if how not in ADAPTER_INITS:
+        raise UserError(f"unknown adapter init {how!r}. Fix: revffn.adapter_init must be one of "
+                        f"{', '.join(ADAPTER_INITS)}.")
+    if block.p_down_attn.weight.is_meta:  # no values yet (sharded loading: `Method.after_load` calls this again)
+        return
+    # each weight computed whole, then written (a sharded one gets its rows)
+    values = {m: torch.zeros(m.weight.shape, dtype=m.weight.dtype, device=_value_device(m.weight))
+              for m in block.adapters()}
     with torch.no_grad():
-        for m in block.adapters():
-            m.weight.zero_()
-        if how not in ADAPTER_INITS:
-            raise UserError(f"unknown adapter init {how!r}. Fix: revffn.adapter_init must be one of "
-                            f"{', '.join(ADAPTER_INITS)}.")
         if how == "random":
+            scale = 1.0 / math.sqrt(2 * max(block.num_layers, 1))
             for m in (block.p_up_attn, block.p_down_attn, block.p_up_moe, block.p_down_moe):
                 if m is not None:
-                    nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5))
-            scale = 1.0 / math.sqrt(2 * max(block.num_layers, 1))
-            block.p_down_attn.weight.mul_(scale)
-            block.p_down_moe.weight.mul_(scale)
-            return
-        if block.stream_width == "full":
+                    nn.init.kaiming_uniform_(values[m], a=math.sqrt(5))
+            values[block.p_down_attn].mul_(scale)
+            values[block.p_down_moe].mul_(scale)
+        elif block.stream_width == "full":
             if how != "zero":
-                eye = torch.eye(p.shape[0], dtype=p.dtype, device=p.device)
-                block.p_down_attn.weight.copy_(eye)
-                block.p_down_moe.weight.copy_(eye)
-            return
-        d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
-        eye = torch.eye(h, dtype=p.dtype, device=p.device)
-        block.p_up_attn.weight[h:d] = eye  # X_2 -> its own coordinates d/2..d
-        block.p_up_moe.weight[:h] = eye  # Y_1 -> its own coordinates 0..d/2
-        if how != "zero":
-            block.p_down_attn.weight[:, :h] = eye  # attention output 0..d/2 -> X_1
-            block.p_down_moe.weight[:, h:d] = eye  # MoE output d/2..d -> X_2
+                for m in (block.p_down_attn, block.p_down_moe):
+                    values[m].copy_(torch.eye(values[m].shape[0], device=values[m].device))
+        else:
+            d, h = block.p_up_attn.out_features, block.p_up_attn.in_features
+            eye = torch.eye(h, device=values[block.p_up_attn].device)  # (transformers may make meta the default)
+            values[block.p_up_attn][h:d] = eye  # X_2 -> its own coordinates d/2..d
+            values[block.p_up_moe][:h] = eye  # Y_1 -> its own coordinates 0..d/2
+            if how != "zero":
+                values[block.p_down_attn][:, :h] = eye  # attention output 0..d/2 -> X_1
+                values[block.p_down_moe][:, h:d] = eye  # MoE output d/2..d -> X_2
+        for m, value in values.items():
+            write_full(m.weight, value)
+
+
+def _value_device(t: torch.Tensor) -> torch.device:
+    """Where a weight's full value is computed: its device, or the host for a sharded (DTensor) one."""
+    return torch.device("cpu") if hasattr(t, "device_mesh") else t.device
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t`: a DTensor all-gathered (a collective: every rank calls it), else `t`."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def write_full(t: torch.Tensor, value: torch.Tensor) -> None:
+    """t <- value (in place, no grad): a DTensor gets its local shard of the whole `value` (every rank computed the
+    same; cut locally, no collective), a meta tensor nothing."""
+    if t.is_meta:
+        return
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh, placements, t = t.device_mesh, t.placements, t.to_local()
+        value = distribute_tensor(value.to(t.device, t.dtype), mesh, placements, src_data_rank=None).to_local()
+    with torch.no_grad():
+        t.copy_(value)
 
 
 class HFRevBlock(RevBlock):

@@ -25,22 +25,9 @@ import torch
 from torch import nn
 
 from revffn.archs.spec import get_path
+from revffn.conversion.convert import full_value, write_full
 
 OUT_NAMES = ("o_proj", "out_proj", "dense", "wo", "down_proj", "w2")  # the last linear map of a branch
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _write(t: torch.Tensor, value: torch.Tensor) -> None:
-    """t <- value; a DTensor's local shard from the full `value` (every rank computed the same)."""
-    if hasattr(t, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        t.to_local().copy_(distribute_tensor(value, t.device_mesh, t.placements).to_local())
-    else:
-        t.copy_(value)
 
 
 def _out_maps(module: nn.Module, d: int) -> list[tuple[nn.Module, str, str]] | None:
@@ -71,13 +58,13 @@ def _out_maps(module: nn.Module, d: int) -> list[tuple[nn.Module, str, str]] | N
 
 
 def _fold_branch(P: torch.Tensor, maps: list[tuple[nn.Module, str, str]]) -> None:
-    P = _full(P).float()
+    P = full_value(P).float()
     for owner, name, how in maps:
         t = getattr(owner, name)
-        w = _full(t).float()
+        w = full_value(t).float()
         # rows: (d, d) @ (d, in), or batched over experts (E, d, in); cols (..., in, d) and a (d,) bias: x P^T
         new = torch.matmul(P, w) if how == "rows" else torch.matmul(w, P.T)
-        _write(t.data, new.to(t.dtype))
+        write_full(t.data, new.to(t.dtype))
 
 
 def foldable(block) -> dict[str, list]:
@@ -108,7 +95,7 @@ def fold_adapters(model, only: list | None = None, tol: float = 1e-4) -> tuple[l
     pairs folded)."""
     embed = get_path(model.hf, model.spec.embed).weight
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(1, 8, model.config.hidden_size, generator=g) * float(_full(embed).detach().float().std()))
+    x = (torch.randn(1, 8, model.config.hidden_size, generator=g) * float(full_value(embed).detach().float().std()))
     x = x.to(device=embed.device, dtype=embed.dtype)
     removed, folded = [], []
     with torch.no_grad():
@@ -121,7 +108,7 @@ def fold_adapters(model, only: list | None = None, tol: float = 1e-4) -> tuple[l
                     continue
                 branch = block.F if adapter == "p_down_attn" else block.G
                 before = branch(x, sctx) if only is None else None
-                saved = [(getattr(owner, name), _full(getattr(owner, name)).detach().clone())
+                saved = [(getattr(owner, name), full_value(getattr(owner, name)).detach().clone())
                          for owner, name, _ in maps] if only is None else []
                 module = getattr(block, adapter)
                 _fold_branch(module.weight, maps)
@@ -131,7 +118,7 @@ def fold_adapters(model, only: list | None = None, tol: float = 1e-4) -> tuple[l
                     err = (after - before).abs().max() / before.abs().max().clamp(min=1e-30)
                     if not torch.isfinite(err) or err > tol:
                         for t, value in saved:
-                            _write(t.data, value)
+                            write_full(t.data, value)
                         setattr(block, adapter, module)
                         continue
                 removed.extend(module.parameters())

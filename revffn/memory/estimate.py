@@ -253,6 +253,7 @@ class MemoryTerms:
     routing_records: int = 0  # part of activations_forward, also reported
     trainable_bytes: int | None = None  # bytes per trainable param (weight, grad, state); None: ``s``
     notes: tuple[str, ...] = field(default_factory=tuple)
+    loads_whole: bool = False  # the options make each process load the whole model even under FSDP (a teacher copy)
 
 
 class MemoryMethod(Protocol):
@@ -260,6 +261,7 @@ class MemoryMethod(Protocol):
 
     name: str
     DISTRIBUTED: tuple[str, ...]  # the data-parallel strategies that train it
+    META_PREPARE: bool  # prepares a model without weights: under FSDP each rank loads only its shards
 
     def estimate_keys(self) -> dict[str, Key]: ...
 
@@ -369,14 +371,22 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         notes.append(f"offload cpu: {states / 2**30:.2f} GiB of optimizer states in host memory (not counted), "
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
-    # the loading route: every process builds, converts and prepares the whole model on its host, then moves it
-    # (or, under FSDP, its shards) to the device; no meta-device or rank-0-broadcast route yet
-    host_load = total_params * s
-    notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "
-                 "teacher copy) built on the host before it " + ("is sharded" if distributed == "fsdp" else
-                                                               "moves to the device")
-                 + (f"; {world_size} processes on one node: {world_size * host_load / 2**30:.2f} GiB"
-                    if world_size > 1 else ""))
+    # the loading route (`training.step.build_run`): under FSDP, for a method that prepares a model without weights,
+    # each rank holds its shards plus one unit of the checkpoint read whole and converted (`models.sharded`);
+    # otherwise every process builds, converts and prepares the whole model on its host
+    sharded_load = distributed == "fsdp" and method.META_PREPARE and not terms.loads_whole
+    if sharded_load:
+        host_load = math.ceil(total_params * s / world_size) + 2 * max(unit_params(m, ctx.counts)) * s
+        notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, its 1/{world_size} of "
+                     "the weights plus the largest layer (or the embeddings) twice, as read and as converted: the "
+                     "model is built on the meta device and each rank keeps only its rows")
+    else:
+        host_load = total_params * s
+        notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "
+                     "teacher copy) built on the host before it " + ("is sharded" if distributed == "fsdp" else
+                                                                   "moves to the device"))
+    if world_size > 1:
+        notes[-1] += f"; {world_size} processes on one node: {world_size * host_load / 2**30:.2f} GiB"
     buckets = gathered = unsharded = 0
     if distributed == "ddp":
         buckets = trainable * a
@@ -416,6 +426,7 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
         "method": method.name, "model": getattr(config, "name_or_path", "") or m.model_type, "dtype": dtype,
         "optimizer": optimizer, "optimizer_in_backward": in_backward, "offload": offload, "batch": B, "seq": T,
         "world_size": world_size, "distributed": distributed, "host_load_bytes": host_load,
+        "host_load_route": "sharded" if sharded_load else "whole",
     }
 
 

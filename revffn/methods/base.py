@@ -64,6 +64,9 @@ class Method:
     # optimizer state between devices and changes the trained group every step; DISTRIBUTED_NOTE says why
     DISTRIBUTED: ClassVar[tuple[str, ...]] = ("ddp", "fsdp")
     DISTRIBUTED_NOTE: ClassVar[str] = ""
+    # `prepare` works on a model whose parameters are on the meta device, so that under FSDP each rank loads only
+    # its shards (`models.sharded`); `prepares_on_meta` may refuse it for some of the method's options
+    META_PREPARE: ClassVar[bool] = False
 
     # set by `build_run` before `prepare`: a checkpoint will overwrite every weight `prepare` sets, so work that
     # only initializes weights (RevFFN's calibration) may be skipped
@@ -117,6 +120,16 @@ class Method:
         resume, before the checkpoint is loaded, so the model has the structure the checkpoint was saved with.
         Default: the structure never changes. (RevFFN folds its P_down adapters into the layers at stage 2.)"""
         return []
+
+    def prepares_on_meta(self) -> bool:
+        """Whether `prepare` works, with this run's options, on a model whose parameters are on the meta device
+        (FSDP2's sharded loading: `models.sharded`), every weight it makes set again by `after_load`."""
+        return self.META_PREPARE
+
+    def after_load(self, model: nn.Module) -> None:
+        """Once the weights are in place (after `prepare` and, under FSDP, sharding; the root gathered), before a
+        checkpoint is loaded: the weights `prepare` made, if it made them on the meta device, and work on the
+        loaded weights. Default: nothing. (RevFFN: its adapters' init and calibration on a sharded load.)"""
 
     @classmethod
     def check_data(cls, cfg, items: list) -> None:

@@ -77,6 +77,7 @@ def calibrate_for_run(model, cfg, opts: dict) -> dict:
     key = "revffn.calibration_data"
     check_source(opts["calibration_data"], key, (cfg.data, cfg.eval_data))
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    model.to(device)
+    if next(model.parameters()).device.type != device.type:  # (`.to` would reshard a gathered FSDP2 root)
+        model.to(device)
     tokenizer = model_tokenizer(cfg.model, cfg.tokenizer)
     return calibrate_model(model, tokenizer, opts["calibration_data"], opts["calibration_tokens"], key, cfg.seed)

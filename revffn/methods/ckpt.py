@@ -23,6 +23,7 @@ from revffn.schema import Key
 class CkptMethod(Method):
     name = "ckpt"
     SCHEMA = {"freeze_router": Key(bool, False, "keep the MoE routers frozen")}
+    META_PREPARE = True  # wraps the HF model as it is: under FSDP each rank loads only its shards
     # not in the study: same gradients as `full`
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:

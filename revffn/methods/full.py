@@ -18,6 +18,7 @@ from revffn.schema import Key
 class FullMethod(Method):
     name = "full"
     SCHEMA = {"freeze_router": Key(bool, False, "keep the MoE routers frozen")}
+    META_PREPARE = True  # wraps the HF model as it is: under FSDP each rank loads only its shards
     STUDY_LR_GRID = (3e-4, 1e-3)  # around the usual SFT range
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:

@@ -106,11 +106,13 @@ class RevFFNMethod(Method):
     ESTIMATE_OPTIONS = {
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
+    META_PREPARE = True  # converts on meta; `after_load` inits and calibrates the adapters (`prepares_on_meta`)
     converted_from: str | None = None  # set by `prepare` when the model came converted
     calibration: dict | None = None  # set by `prepare`: the calibration report (adapter_init: calibrated)
     teacher: nn.Module | None = None  # distill_coef > 0, distill_teacher copy: frozen copy of the model before training
     teacher_cache = None  # distill_teacher cached: a `methods.teacher_cache.TeacherCache` (`before_training`)
     heal_rows = None  # stage 1 on heal text: a `data.calibration.StepRows`
+    on_meta = False  # `prepare` converted a model without weights (sharded loading): `after_load` sets them
     norm_originals: list | None = None  # heal_norms: the norm weights before training (the teacher's)
     reversible = True  # whether the prepared model runs reversibly outside a heal with heal_hidden_coef
     fold_plan: list | None = None  # fold_adapters: the [layer, adapter] pairs folded at stage 2 (None: not yet)
@@ -198,6 +200,12 @@ class RevFFNMethod(Method):
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
                         stream_width=self.opts["stream_width"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
+        self.on_meta = next(model.parameters()).is_meta  # sharded loading: the weights come after sharding
+        if not self.on_meta:
+            self._calibrate(model)
+        return self._prepare_stages(model)
+
+    def _calibrate(self, model) -> None:
         if self.opts["adapter_init"] == "calibrated" and self.resuming:
             from revffn.methods.calibration import log_line
 
@@ -206,7 +214,23 @@ class RevFFNMethod(Method):
             from revffn.methods.calibration import calibrate_for_run
 
             self.calibration = calibrate_for_run(model, self.cfg, self.opts)
-        return self._prepare_stages(model)
+
+    def prepares_on_meta(self) -> bool:
+        """On meta, but for a random adapter init (its draws would differ from the whole model's), a teacher copy
+        (copied from the calibrated model) and heal_norms (keeps the norms' loaded values)."""
+        opts = self.opts
+        return (self.META_PREPARE and opts["adapter_init"] != "random" and not opts["heal_norms"]
+                and not (opts["distill_coef"] > 0 and opts["distill_teacher"] == "copy"))
+
+    def after_load(self, model) -> None:
+        """A model converted on the meta device: its adapters' init, then the calibration (collective under FSDP:
+        every rank passes over its share of the rows, each unit all-gathered as it runs)."""
+        if self.on_meta:
+            from revffn.conversion.convert import init_adapters
+
+            for block in model.blocks:
+                init_adapters(block, self.opts["adapter_init"])
+            self._calibrate(model)
 
     def state_dict(self) -> dict:
         """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
@@ -452,4 +476,5 @@ class RevFFNMethod(Method):
         shared = N * m.d * s if stream_width == "full" and stream == s else 0
         act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * w * stream - shared + records + (N * m.d * s if teacher else 0)
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters + teacher,
-                           recompute_working_set=working, routing_records=records, notes=notes)
+                           recompute_working_set=working, routing_records=records, notes=notes,
+                           loads_whole=bool(teacher) and distill_teacher == "copy")

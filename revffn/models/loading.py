@@ -270,7 +270,7 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
         return load(path, dtype=dtype).train()
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True, **config_overrides)
+    config = stored_depth_config(path, **config_overrides)
     stored = AutoConfig.from_pretrained(path, local_files_only=True).num_hidden_layers
     if config.num_hidden_layers >= stored:
         return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
@@ -283,6 +283,19 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
         return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
     finally:
         report.setLevel(level)
+
+
+def stored_depth_config(path: str | Path, **overrides):
+    """The HF config of a model directory with `overrides`; a `num_hidden_layers` override also cuts the per-layer
+    `layer_types` to the new depth (transformers validates their lengths when the config is built again, as a
+    converted model's export does, and would refuse it after training)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+    types = getattr(config, "layer_types", None)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and isinstance(types, list):
+        config.layer_types = types[: config.num_hidden_layers]
+    return config
 
 
 def build_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: torch.device | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -150,9 +151,11 @@ class DDPModel(DistributedDataParallel):
             return getattr(self.module, name)
 
 
-def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device) -> None:
+def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device,
+                materialize: Callable[[nn.Module], None] | None = None) -> None:
     """FSDP2: `fully_shard` each unit, then the whole model (the root: what no unit holds). The
-    model may still be on the host: each rank moves only its shards to `device`."""
+    model may still be on the host: each rank moves only its shards to `device`. A model built on the meta
+    device is given its shards' memory and values by `materialize` (`models.sharded`), once sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -160,6 +163,8 @@ def shard_model(model: nn.Module, units: list[nn.Module], device: torch.device) 
     for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if materialize is not None:
+        materialize(model)
     # FSDP2 makes the first module whose forward runs the root. The heal's sampler and teacher call
     # units before the model's own forward: initialize now, with the model as the root.
     model._get_fsdp_state()._lazy_init()

@@ -50,6 +50,7 @@ from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
 from revffn.methods.base import TokenSum
 from revffn.models.loading import load_hf
+from revffn.models.sharded import check_loaded, load_shards, materialize, meta_hf, parameter_slots, sharded_loadable
 from revffn.training.config import TrainConfig
 from revffn.training.optim import InBackward, build_optimizer, drop_parameters, set_lr
 from revffn.training.parallel import DDPModel, shard_model, unshard_root
@@ -71,6 +72,7 @@ class Run:
     strategy: str = "none"  # "none" | "ddp" | "fsdp": data-parallel over the torch.distributed group
     ddp: DDPModel | None = None  # the forward's wrapper of `model` under DDP (`forward_module`)
     ddp_trainable: frozenset = frozenset()  # ids of the parameters `ddp` was built to reduce
+    loading: str = "whole"  # "whole": every process loaded the model; "sharded": each rank read its shards only
 
     @property
     def distributed(self) -> bool:
@@ -94,8 +96,12 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
               method_cls: type[Method] | None = None) -> Run:
     """Seed, build the HF model (unless given), prepare it with the method, build the optimizer.
 
+    Under FSDP, for a method that prepares a model without weights (`Method.prepares_on_meta`) and a checkpoint
+    directory (`models.sharded.sharded_loadable`), the model is built and prepared on the meta device, sharded, and
+    each rank reads only its shards (`Run.loading` "sharded"); then `Method.after_load` (RevFFN's adapters).
+
     Args:
-        hf: the HF model to fine-tune; None loads `cfg.model` as training does (`load_hf`).
+        hf: the HF model to fine-tune; None loads `cfg.model` as training does (`load_hf`, or shard by shard).
         model_config: HF config overrides for that load (default `cfg.model_config`; the loop adds
             the tokenizer's vocabulary for tiny presets, see `setup.model_overrides`).
         strategy: "none", "ddp" or "fsdp" (`parallel.pick_distributed`); None: ddp when a process
@@ -104,25 +110,43 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
         method_cls: the method's class when already looked up (`RunPlan.method`); None: `method_class(cfg.method)`.
     """
     torch.manual_seed(cfg.seed)
-    if hf is None:
-        overrides = cfg.model_config if model_config is None else model_config
-        hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
     if strategy is None:
         strategy = "ddp" if torch.distributed.is_available() and torch.distributed.is_initialized() else "none"
     method = (method_cls or method_class(cfg.method))(cfg)
     method.resuming = resuming
+    overrides = cfg.model_config if model_config is None else model_config
+    on_meta = hf is None and strategy == "fsdp" and method.prepares_on_meta() and sharded_loadable(cfg.model,
+                                                                                                   overrides)
+    if on_meta:  # built and converted without weights, sharded, then each rank reads its own shards
+        hf = meta_hf(cfg.model, weights_dtype, **overrides)
+        slots = parameter_slots(hf)
+    elif hf is None:
+        hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
     model = method.prepare(hf)
+
+    def read_shards(sharded: nn.Module) -> None:  # each rank its own rows, one layer of the checkpoint at a time
+        materialize(sharded, device)
+        load_shards(slots, hf.config, cfg.model, weights_dtype)
+
     if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
-        shard_model(model, method.fsdp_units(model), device)
+        shard_model(model, method.fsdp_units(model), device, read_shards if on_meta else None)
         for frozen in method.frozen_copies():  # e.g. a teacher copy: sharded like the model, not whole per rank
             shard_model(frozen, method.fsdp_units(frozen), device)
     model = model.to(device)
+    if strategy == "fsdp":  # the method may call the root's modules (embeddings, final norm, head) directly
+        unshard_root(model)
+    method.after_load(model)  # e.g. RevFFN's adapters, built on meta: their init and calibration
+    if strategy == "fsdp":
+        model.reshard()
+    if on_meta:
+        check_loaded(model)
     model.train()
     params = method.optimizer_parameters(model)
     autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \
         else contextlib.nullcontext
     optimizer = build_optimizer(cfg, params, getattr(model, "partial_gradients", None))
-    return Run(cfg, method, hf, model, params, optimizer, device, autocast, strategy)
+    return Run(cfg, method, hf, model, params, optimizer, device, autocast, strategy,
+               loading="sharded" if on_meta else "whole")
 
 
 def restructure(run: Run, step: int) -> None:

@@ -106,7 +106,7 @@ def test_streaming_with_a_cached_teacher_is_refused():
 
 
 def test_the_estimate_counts_each_teacher_route():
-    from revffn.memory.estimate import estimate
+    from revffn.memory.estimate import count_params, dims, estimate, unit_params
     from revffn.models.loading import hf_config
 
     config, cls = hf_config("qwen1.5-moe-a2.7b"), method_class("revffn")
@@ -120,7 +120,15 @@ def test_the_estimate_counts_each_teacher_route():
     # the loading route's host memory: the whole model per process, the copy route's teacher with it
     for est in (plain, copy, cached):
         assert est["host_load_bytes"] == est["total_params"] * 2
-    sharded = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, world_size=8,
-                       distributed="fsdp")
-    assert sharded["host_load_bytes"] == copy["host_load_bytes"]  # not sharded while loading
-    assert any("8 processes on one node" in n for n in sharded["notes"])
+    whole = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, world_size=8,
+                     distributed="fsdp")
+    assert whole["host_load_route"] == "whole"  # the teacher copy is taken of the calibrated model: loaded whole
+    assert whole["host_load_bytes"] == copy["host_load_bytes"]
+    assert any("8 processes on one node" in n for n in whole["notes"])
+    # the cached route loads shard by shard: each rank its eighth, and one unit read whole and converted
+    sharded = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached",
+                       world_size=8, distributed="fsdp")
+    largest = max(unit_params(dims(config), count_params(config)))
+    assert sharded["host_load_route"] == "sharded"
+    assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 2 * largest * 2
+    assert sharded["host_load_bytes"] < whole["host_load_bytes"] / 4

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
 from revffn.methods import method_class
 from revffn.models.loading import build_hf
+from revffn.models.sharded import sharded_loadable
 from revffn.reports.bench import train_config
 from revffn.training.parallel import init_distributed, pick_distributed
 from revffn.training.setup import pick_device
@@ -142,8 +143,11 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
     strategy = pick_distributed(cfg)
     init_distributed(strategy, device, cfg.distributed_timeout)
     rank = torch.distributed.get_rank() if strategy != "none" else 0
-    hf = build_hf(cfg.model, weights_dtype, cfg.seed, device, **cfg.model_config)
+    # under FSDP a checkpoint loads shard by shard as training loads it (`models.sharded`); otherwise as it builds
+    hf = None if strategy == "fsdp" and sharded_loadable(cfg.model, cfg.model_config) else \
+        build_hf(cfg.model, weights_dtype, cfg.seed, device, **cfg.model_config)
     run = build_run(cfg, device, weights_dtype, autocast_dtype, hf=hf, strategy=strategy)
+    hf = run.hf
     B, T, steps = int(args["batch"]), int(args["seq"]), int(args.get("steps", 1))  # B: per rank
     g = torch.Generator().manual_seed(cfg.seed + rank)
     ids = torch.randint(3, hf.config.vocab_size, (B, T), generator=g).to(device)
@@ -157,7 +161,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
     build_s = time.perf_counter() - t_build
     # start-up: the process's peak RSS from its start until the model is built, prepared (calibrated) and sharded,
     # and the time that took (the process group, the build and the preparation; the imports before it)
-    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s)
+    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, loading=run.loading)
     first = run.method.steady_state_step()
     times, stages = [], []
     for i in range(steps + 1):

@@ -1,0 +1,163 @@
+"""Sharded loading under FSDP2: no rank ever holds the whole model.
+
+    meta_hf(model)      the HF model with its parameters on the meta device (no memory), its buffers real
+    (the method converts it, still on meta; the loop shards it: `training.step.build_run`)
+    materialize(model)  each rank allocates its own shards, NaN-filled, and gets its buffers back
+    load_shards(hf)     each rank fills its shards from the safetensors, one layer at a time
+
+The route: every rank reads the checkpoint itself and keeps only its rows. The other standard route, rank 0
+reading and broadcasting (`set_model_state_dict(..., broadcast_from_rank0=True)`), has rank 0 hold the whole
+model on its host, so that its peak is the unsharded one; here each rank's peak is its shards plus one layer
+of the checkpoint in full (the largest group of tensors transformers converts together: a layer's experts are
+stacked from separate tensors). The files are read once per rank through `pread`, not `mmap`: the page cache
+is shared by the ranks of a node, and no page of the file counts in a rank's resident memory.
+
+Checkpoint keys become the model's through transformers' own conversion (`core_model_loading`: renames, and
+per-expert tensors stacked into the fused 3-D experts), applied to one layer's tensors at a time on a second,
+meta-device copy of the model; the result is bitwise what `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from revffn.conversion.convert import write_full
+from revffn.models.loading import is_converted, model_kind, resolve_model_ref, stored_depth_config
+
+LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
+
+
+def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
+    """Whether `model` loads shard by shard: an unconverted HF directory (shipped, cached, local or a Hub snapshot)
+    with safetensors weights, its geometry unchanged but for its depth. Tiny presets and config-only geometries
+    are random-initialized, converted directories load through `models.loading.load`: those load whole."""
+    if model_kind(model) not in ("shipped", "dir", "hub") or "hidden_size" in (overrides or {}):
+        return False
+    path = Path(resolve_model_ref(model))
+    return not is_converted(str(path)) and any(path.glob("*.safetensors"))
+
+
+def _config(model: str, **overrides):
+    config = stored_depth_config(resolve_model_ref(model), **overrides)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """The HF causal LM of `config`, its parameters on the meta device, its buffers (rotary frequencies) real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf.tie_weights()  # the meta parameters were made anew, each on its own: tie them again
+    return hf
+
+
+def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+    """`model`'s HF causal LM as `load_hf` builds it, but with no weights: parameters on the meta device."""
+    return _meta_model(_config(model, **overrides), dtype)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate every (sharded) parameter of a meta-device `model` on `device`, filled with NaN so that one that is
+    never loaded shows (`check_loaded`); its buffers, real since `meta_hf`, keep their values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    if meta := [name for name, b in buffers.items() if b.is_meta]:
+        raise RuntimeError(f"sharded loading: buffers {meta} were built on the meta device and have no value")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            local(p).fill_(float("nan"))
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, or `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _groups(files: list[Path]) -> list[tuple[int, dict[Path, list[str]]]]:
+    """(layer, {file: keys}) per layer, -1 (the keys outside the layers) first: one layer is converted at a time,
+    whichever files of a sharded checkpoint hold its tensors."""
+    from safetensors import safe_open
+
+    groups: dict[int, dict[Path, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                m = LAYER_KEY.search(key)
+                groups[int(m.group(1)) if m else -1][file].append(key)
+    return sorted(groups.items(), key=lambda kv: kv[0])
+
+
+def _read(where: dict[Path, list[str]]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors = {}
+    for file, keys in where.items():
+        try:
+            f = safe_open(file, framework="pt", device="cpu", backend="pread")  # safetensors >= 0.7: no mmap
+        except TypeError:
+            f = safe_open(file, framework="pt", device="cpu")
+        with f:
+            tensors.update((k, f.get_tensor(k)) for k in keys)
+    return tensors
+
+
+def parameter_slots(hf: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """name -> (module, attribute) of each of `hf`'s parameters, tied ones under each name: where `load_shards`
+    finds them once the method has rearranged the modules (RevFFN's blocks hold the decoder layers) and FSDP2
+    has replaced the parameters (by DTensors, on the same modules)."""
+    return {f"{prefix}{'.' if prefix else ''}{attr}": (module, attr)
+            for prefix, module in hf.named_modules(remove_duplicate=False) for attr in module._parameters}
+
+
+def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dtype: torch.dtype) -> None:
+    """Fill the (sharded, materialized) parameters in `slots` (`parameter_slots` of the HF model of `config`) from
+    `model`'s safetensors, each rank its own rows.
+
+    A layer's tensors are read whole and converted by transformers onto a meta copy of the model (`scratch`),
+    whose loaded parameters are then cut into `hf`'s shards and dropped. Layers beyond the model's depth
+    (`num_hidden_layers` overridden) are skipped, as `from_pretrained` drops them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    scratch = _meta_model(config, dtype)
+    load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=get_model_conversion_mapping(scratch))
+    depth = config.num_hidden_layers
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar per layer otherwise
+    try:
+        for layer, where in _groups(sorted(Path(resolve_model_ref(model)).glob("*.safetensors"))):
+            if layer >= depth:
+                continue
+            convert_and_load_state_dict_in_model(scratch, _read(where), load_config)
+            with torch.no_grad():
+                for name, p in scratch.named_parameters(remove_duplicate=False):
+                    if not p.is_meta:
+                        module, attr = slots[name]
+                        write_full(module._parameters[attr], p)
+                        owner, _, attr = name.rpartition(".")
+                        module = scratch.get_submodule(owner)
+                        module._parameters[attr] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Every parameter holds a value (`materialize` NaN-filled them): one the checkpoint and the method's
+    `after_load` left out is an error, not silent garbage."""
+    missing = [name for name, p in model.named_parameters() if local(p).isnan().any()]
+    if missing:
+        raise RuntimeError(f"sharded loading left {len(missing)} parameter(s) without a value: "
+                           f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,149 @@
+"""Sharded loading (`models.sharded`): a model built on the meta device and filled from its safetensors, one layer
+at a time, equals `from_pretrained` bitwise; under torchrun each rank reads only its rows, and FSDP2's shards,
+the method's adapters (RevFFN's calibration included) and the tied embeddings equal the whole-model load's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from revffn.methods import method_class
+from revffn.models.loading import load_hf
+from revffn.models.sharded import check_loaded, load_shards, materialize, meta_hf, parameter_slots, sharded_loadable
+from revffn.training.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = Path(__file__).with_name("sharded_load_run.py")
+
+
+def test_which_models_load_shard_by_shard(tmp_path):
+    assert sharded_loadable("builtin:base")
+    assert sharded_loadable("builtin:base", {"num_hidden_layers": 2})  # fewer layers: the rest skipped
+    assert not sharded_loadable("builtin:base", {"hidden_size": 128})  # random init at another width
+    assert not sharded_loadable("tiny-qwen2-moe")  # random init
+    (tmp_path / "final").mkdir()  # a converted directory loads through `load`
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "final" / name).write_bytes((REPO / "revffn/assets/base" / name).read_bytes())
+    assert sharded_loadable(str(tmp_path / "final"))
+    (tmp_path / "final" / "revffn.json").write_text(json.dumps({"format": "revffn"}))
+    assert not sharded_loadable(str(tmp_path / "final"))
+
+
+def test_the_methods_that_prepare_on_meta():
+    def on_meta(*over):
+        cfg = load_config(None, list(over))
+        return method_class(cfg.method)(cfg).prepares_on_meta()
+
+    assert on_meta("method=full") and on_meta("method=ckpt") and on_meta("method=revffn")
+    assert not on_meta("method=lora")  # peft draws LoRA's A at random
+    assert not on_meta("method=revffn", "revffn.adapter_init=random")
+    assert not on_meta("method=revffn", "revffn.distill_coef=0.5")  # the teacher copy is of the calibrated model
+
+
+@pytest.mark.parametrize("layers", [4, 2])
+def test_meta_then_layer_by_layer_equals_from_pretrained(layers):
+    """One process, no sharding: the loader's conversion (qwen2_moe's per-expert tensors stacked) and its
+    truncation to `num_hidden_layers` give what transformers loads, bit for bit."""
+    hf = meta_hf("builtin:base", torch.float32, num_hidden_layers=layers)
+    assert all(p.is_meta for p in hf.parameters()) and not any(b.is_meta for b in hf.buffers())
+    slots = parameter_slots(hf)
+    materialize(hf, torch.device("cpu"))
+    load_shards(slots, hf.config, "builtin:base", torch.float32)
+    check_loaded(hf)
+    ref = load_hf("builtin:base", dtype=torch.float32, num_hidden_layers=layers)
+    ours, theirs = dict(hf.named_parameters()), dict(ref.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert all(torch.equal(a, b) for a, b in zip(hf.buffers(), ref.buffers()))
+
+
+def test_a_parameter_left_unloaded_is_an_error():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    materialize(model, torch.device("cpu"))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+        model[1].weight.zero_()
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) without a value: 1.bias"):
+        check_loaded(model)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(out: Path, model: str, method: str, *extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", str(RUN), str(out), model, method, *extra]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["full", "revffn"])
+def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
+    """2 ranks, FSDP2: built on meta, each rank reading its rows, against the model loaded whole on every rank and
+    then sharded; every parameter all-gathered and compared bitwise (RevFFN: its calibrated adapters, fitted by
+    the ranks together through the sharded layers, against the fit on the whole model)."""
+    extra = ["revffn.calibration_tokens=512"] if method == "revffn" else []
+    r = _two_ranks(tmp_path / "out.json", "builtin:base", method, *extra)
+    assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["keys_equal"] and r["diff"]
+    assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # two 2-rank training runs (~20 s): the suite's budget
+def test_a_sharded_load_trains_and_resumes_without_calibrating(tmp_path):
+    """`revffn train` on 2 FSDP ranks loads `builtin:base` shard by shard, calibrates once, and a resume from its
+    step-2 checkpoint (DCP shards into the meta-built model) skips the calibration and continues the same run."""
+    import shutil
+
+    over = ["model=builtin:base", "model_config={num_hidden_layers: 2}", "method=revffn",
+            "revffn.calibration_tokens=512", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+            "data=builtin:reversal_train", "eval_data=null",
+            "max_seq_length=32", "per_device_train_batch_size=2", "distributed=fsdp", "max_steps=4", "save_steps=2",
+            "logging_steps=1", "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0"]
+
+    def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", "-m", "revffn", "train", *over, *extra, f"output_dir={out}"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    ref = train(tmp_path / "ref")
+    assert "calibrating the adapters" in ref.stderr
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    resumed = train(tmp_path / "run", f"resume={tmp_path / 'run' / 'checkpoints' / 'step-2'}")
+    assert "calibration skipped" in resumed.stderr and "calibrating the adapters" not in resumed.stderr
+
+    def losses(run: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = losses(tmp_path / "ref"), losses(tmp_path / "run")
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (a, b)
+
+
+def test_a_shallower_model_keeps_a_valid_config():
+    """`model_config: {num_hidden_layers: 2}` on a 4-layer model: its per-layer `layer_types` are cut too, so the
+    config validates when built again (a converted model's export builds it; it failed there, after training)."""
+    for hf in (load_hf("builtin:base", num_hidden_layers=2), meta_hf("builtin:base", num_hidden_layers=2)):
+        config = hf.config
+        assert len(config.layer_types) == config.num_hidden_layers == 2
+        assert type(config).from_dict(config.to_dict()).layer_types == config.layer_types
