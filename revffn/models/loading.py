@@ -321,7 +321,6 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     from transformers import AutoModelForCausalLM
 
     from revffn.conversion.causal_lm import CausalLM
-    from revffn.conversion.convert import convert
 
     root = Path(resolve_model_ref(str(path)))
     if not (root / "config.json").is_file():
@@ -329,13 +328,21 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                         "directory or an HF save_pretrained directory.")
     manifest = json.loads((root / "revffn.json").read_text()) if (root / "revffn.json").is_file() else {}
     if manifest.get("format") == "revffn":  # a revffn run's final/ or a `revffn convert` directory
-        # built in `dtype`: from_config would take the config's own (bf16 for builtin:base) and round the weights
-        hf = AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype)
-        stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
-        model = convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
-                        adapter_skip=bool(converted_option(str(root), "adapter_skip")),
-                        stream_width=converted_option(str(root), "stream_width"))
+        model = converted_skeleton(root, AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype))
         load_model(model, str(root / "model.safetensors"))
     else:
         model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def converted_skeleton(root: Path, hf):
+    """The `RevFFNForCausalLM` a converted directory holds, built around `hf` (the base model from its config, in
+    the dtype to load: from_config would take the config's own, bf16 for builtin:base, and round the weights), its
+    weights not yet read: `load` reads them whole, sharded loading (`models.sharded`) each rank its rows."""
+    from revffn.conversion.convert import convert
+
+    manifest = json.loads((Path(root) / "revffn.json").read_text())
+    stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
+    return convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
+                   adapter_skip=bool(converted_option(str(root), "adapter_skip")),
+                   stream_width=converted_option(str(root), "stream_width"))

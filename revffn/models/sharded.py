@@ -1,6 +1,6 @@
 """Sharded loading under FSDP2: no rank ever holds the whole model.
 
-    meta_hf(model)      the HF model with its parameters on the meta device (no memory), its buffers real
+    meta_hf(model)      the HF model (or the converted model) with its parameters on the meta device, buffers real
     (the method converts it, still on meta; the loop shards it: `training.step.build_run`)
     materialize(model)  each rank allocates its own shards, NaN-filled, and gets its buffers back
     load_shards(hf)     each rank fills its shards from the safetensors, one layer at a time
@@ -12,9 +12,11 @@ of the checkpoint in full (the largest group of tensors transformers converts to
 stacked from separate tensors). The files are read once per rank through `pread`, not `mmap`: the page cache
 is shared by the ranks of a node, and no page of the file counts in a rank's resident memory.
 
-Checkpoint keys become the model's through transformers' own conversion (`core_model_loading`: renames, and
-per-expert tensors stacked into the fused 3-D experts), applied to one layer's tensors at a time on a second,
-meta-device copy of the model; the result is bitwise what `from_pretrained` loads.
+An HF checkpoint's keys become the model's through transformers' own conversion (`core_model_loading`: renames,
+and per-expert tensors stacked into the fused 3-D experts), applied to one layer's tensors at a time on a second,
+meta-device copy of the model; the result is bitwise what `from_pretrained` loads. A converted directory
+(`revffn convert`, a run's final/) holds the model's own parameter names: there each rank reads only its rows of
+each tensor, and the result is bitwise what `models.loading.load` loads.
 """
 
 from __future__ import annotations
@@ -27,19 +29,28 @@ import torch
 from torch import nn
 
 from revffn.conversion.convert import write_full
-from revffn.models.loading import is_converted, model_kind, resolve_model_ref, stored_depth_config
+from revffn.models.loading import (
+    converted_skeleton,
+    is_converted,
+    model_kind,
+    resolve_model_ref,
+    stored_config,
+    stored_depth_config,
+)
 
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
 
 
 def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
-    """Whether `model` loads shard by shard: an unconverted HF directory (shipped, cached, local or a Hub snapshot)
-    with safetensors weights, its geometry unchanged but for its depth. Tiny presets and config-only geometries
-    are random-initialized, converted directories load through `models.loading.load`: those load whole."""
+    """Whether `model` loads shard by shard: an HF directory (shipped, cached, local or a Hub snapshot) with
+    safetensors weights, its geometry unchanged but for its depth, or a converted directory (`revffn convert`, a
+    run's final/) as it is. Tiny presets and config-only geometries are random-initialized: they load whole."""
     if model_kind(model) not in ("shipped", "dir", "hub") or "hidden_size" in (overrides or {}):
         return False
     path = Path(resolve_model_ref(model))
-    return not is_converted(str(path)) and any(path.glob("*.safetensors"))
+    if is_converted(str(path)):
+        return not overrides and (path / "model.safetensors").is_file()
+    return any(path.glob("*.safetensors"))
 
 
 def _config(model: str, **overrides):
@@ -60,7 +71,11 @@ def _meta_model(config, dtype: torch.dtype) -> nn.Module:
 
 
 def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
-    """`model`'s HF causal LM as `load_hf` builds it, but with no weights: parameters on the meta device."""
+    """`model`'s HF causal LM as `load_hf` builds it, but with no weights: parameters on the meta device (for a
+    converted directory, the `RevFFNForCausalLM` it holds)."""
+    path = Path(resolve_model_ref(model))
+    if is_converted(str(path)):
+        return converted_skeleton(path, _meta_model(stored_config(path), dtype))
     return _meta_model(_config(model, **overrides), dtype)
 
 
@@ -119,6 +134,40 @@ def parameter_slots(hf: nn.Module) -> dict[str, tuple[nn.Module, str]]:
             for prefix, module in hf.named_modules(remove_duplicate=False) for attr in module._parameters}
 
 
+def _own_rows(param: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """[start, stop) of the rows of an n-row tensor this rank's shard of `param` holds (FSDP2's Shard(0) on one mesh
+    dimension: torch.chunk's split, ceil(n / world) rows a rank); None when `param` is not so sharded."""
+    placements = getattr(param, "placements", None)
+    if placements is None or len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
+        return None
+    mesh = param.device_mesh
+    chunk = -(-n // mesh.size())
+    start = min(n, mesh.get_local_rank() * chunk)
+    stop = min(n, start + chunk)
+    return (start, stop) if param.to_local().shape[0] == stop - start else None
+
+
+def _load_converted(slots: dict[str, tuple[nn.Module, str]], file: Path) -> None:
+    """A converted directory's model.safetensors holds the model's own parameter names: each rank reads only its
+    rows of each tensor (`get_slice`), nothing whole."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(file, framework="pt", device="cpu", backend="pread")
+    except TypeError:
+        f = safe_open(file, framework="pt", device="cpu")
+    with f, torch.no_grad():
+        for key in f.keys():
+            module, attr = slots[key]
+            param = module._parameters[attr]
+            piece = f.get_slice(key)
+            rows = _own_rows(param, piece.get_shape()[0]) if piece.get_shape() else None
+            if rows is None:
+                write_full(param, f.get_tensor(key))
+            elif rows[1] > rows[0]:  # (a rank past the last row holds nothing of it)
+                local(param).copy_(piece[rows[0]:rows[1]])
+
+
 def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dtype: torch.dtype) -> None:
     """Fill the (sharded, materialized) parameters in `slots` (`parameter_slots` of the HF model of `config`) from
     `model`'s safetensors, each rank its own rows.
@@ -131,6 +180,9 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils import logging as hf_logging
 
+    path = Path(resolve_model_ref(model))
+    if is_converted(str(path)):
+        return _load_converted(slots, path / "model.safetensors")
     scratch = _meta_model(config, dtype)
     load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=get_model_conversion_mapping(scratch))
     depth = config.num_hidden_layers

@@ -29,12 +29,13 @@ def test_which_models_load_shard_by_shard(tmp_path):
     assert sharded_loadable("builtin:base", {"num_hidden_layers": 2})  # fewer layers: the rest skipped
     assert not sharded_loadable("builtin:base", {"hidden_size": 128})  # random init at another width
     assert not sharded_loadable("tiny-qwen2-moe")  # random init
-    (tmp_path / "final").mkdir()  # a converted directory loads through `load`
+    (tmp_path / "final").mkdir()
     for name in ("config.json", "model.safetensors"):
         (tmp_path / "final" / name).write_bytes((REPO / "revffn/assets/base" / name).read_bytes())
     assert sharded_loadable(str(tmp_path / "final"))
-    (tmp_path / "final" / "revffn.json").write_text(json.dumps({"format": "revffn"}))
-    assert not sharded_loadable(str(tmp_path / "final"))
+    (tmp_path / "final" / "revffn.json").write_text(json.dumps({"format": "revffn"}))  # converted: as it is
+    assert sharded_loadable(str(tmp_path / "final"))
+    assert not sharded_loadable(str(tmp_path / "final"), {"num_hidden_layers": 2})  # refused by `load_hf`
 
 
 def test_the_methods_that_prepare_on_meta():
@@ -100,6 +101,28 @@ def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
     the ranks together through the sharded layers, against the fit on the whole model)."""
     extra = ["revffn.calibration_tokens=512"] if method == "revffn" else []
     r = _two_ranks(tmp_path / "out.json", "builtin:base", method, *extra)
+    assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["keys_equal"] and r["diff"]
+    assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
+
+
+@pytest.mark.integration
+def test_fsdp_sharded_load_of_a_converted_directory_equals_the_whole_load(tmp_path):
+    """A `revffn convert` directory (its adapters calibrated, then moved off their fit so that no init could pass
+    for them) under 2 FSDP ranks: each rank reads only its rows of each tensor of model.safetensors; all-gathered,
+    every parameter equals `load`'s whole model, sharded."""
+    from revffn.cli import main
+    from revffn.models.hf_remote import save_converted
+    from revffn.models.loading import load
+
+    out = tmp_path / "converted"
+    assert main(["convert", "builtin:base", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    model = load(str(out))
+    with torch.no_grad():
+        for i, p in enumerate(model.adapter_parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-2)
+    save_converted(model, out)
+    r = _two_ranks(tmp_path / "out.json", str(out), "revffn")
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["keys_equal"] and r["diff"]
     assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
