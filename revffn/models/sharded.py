@@ -112,16 +112,19 @@ def _groups(files: list[Path]) -> list[tuple[int, dict[Path, list[str]]]]:
     return sorted(groups.items(), key=lambda kv: kv[0])
 
 
-def _read(where: dict[Path, list[str]]) -> dict[str, torch.Tensor]:
+def _open(file: Path):
     from safetensors import safe_open
 
+    try:
+        return safe_open(file, framework="pt", device="cpu", backend="pread")  # safetensors >= 0.7: no mmap
+    except TypeError:
+        return safe_open(file, framework="pt", device="cpu")
+
+
+def _read(where: dict[Path, list[str]]) -> dict[str, torch.Tensor]:
     tensors = {}
     for file, keys in where.items():
-        try:
-            f = safe_open(file, framework="pt", device="cpu", backend="pread")  # safetensors >= 0.7: no mmap
-        except TypeError:
-            f = safe_open(file, framework="pt", device="cpu")
-        with f:
+        with _open(file) as f:
             tensors.update((k, f.get_tensor(k)) for k in keys)
     return tensors
 
@@ -147,33 +150,55 @@ def _own_rows(param: torch.Tensor, n: int) -> tuple[int, int] | None:
     return (start, stop) if param.to_local().shape[0] == stop - start else None
 
 
-def _load_converted(slots: dict[str, tuple[nn.Module, str]], file: Path) -> None:
-    """A converted directory's model.safetensors holds the model's own parameter names: each rank reads only its
-    rows of each tensor (`get_slice`), nothing whole."""
-    from safetensors import safe_open
+def _copy_rows(f, key: str, param: torch.Tensor) -> None:
+    """param <- the tensor `key` of the open file `f`, reading only this rank's rows of it where `param` is sharded
+    by rows (`get_slice`), the whole tensor otherwise."""
+    piece = f.get_slice(key)
+    shape = piece.get_shape()
+    rows = _own_rows(param, shape[0]) if shape else None
+    if rows is None:
+        write_full(param, f.get_tensor(key))
+    elif rows[1] > rows[0]:  # (a rank past the last row holds nothing of it)
+        local(param).copy_(piece[rows[0]:rows[1]])
 
-    try:
-        f = safe_open(file, framework="pt", device="cpu", backend="pread")
-    except TypeError:
-        f = safe_open(file, framework="pt", device="cpu")
-    with f, torch.no_grad():
-        for key in f.keys():
-            module, attr = slots[key]
-            param = module._parameters[attr]
-            piece = f.get_slice(key)
-            rows = _own_rows(param, piece.get_shape()[0]) if piece.get_shape() else None
-            if rows is None:
-                write_full(param, f.get_tensor(key))
-            elif rows[1] > rows[0]:  # (a rank past the last row holds nothing of it)
-                local(param).copy_(piece[rows[0]:rows[1]])
+
+def _load_rows(slots: dict[str, tuple[nn.Module, str]], where: dict[Path, list[tuple[str, str]]]) -> None:
+    """Tensors stored as the model holds them ({file: [(key, parameter name)]}): each rank reads only its rows."""
+    with torch.no_grad():
+        for file, keys in where.items():
+            with _open(file) as f:
+                for key, name in keys:
+                    module, attr = slots[name]
+                    _copy_rows(f, key, module._parameters[attr])
+
+
+def _direct(keys: dict[Path, list[str]], scratch: nn.Module, mapping: list, slots: dict) -> tuple[dict, dict]:
+    """({file: [(key, parameter name)]} of the keys transformers only renames, if at all, {file: [key]} of the keys
+    a converter combines (per-expert tensors stacked into fused experts)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    meta = scratch.state_dict()
+    direct: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    rest: dict[Path, list[str]] = defaultdict(list)
+    for file, names in keys.items():
+        for key in names:
+            name, combined = rename_source_key(key, renamings, converters, scratch.base_model_prefix, meta)
+            if combined is None and name in slots:
+                direct[file].append((key, name))
+            else:
+                rest[file].append(key)
+    return direct, rest
 
 
 def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dtype: torch.dtype) -> None:
     """Fill the (sharded, materialized) parameters in `slots` (`parameter_slots` of the HF model of `config`) from
     `model`'s safetensors, each rank its own rows.
 
-    A layer's tensors are read whole and converted by transformers onto a meta copy of the model (`scratch`),
-    whose loaded parameters are then cut into `hf`'s shards and dropped. Layers beyond the model's depth
+    A tensor transformers only renames (if at all) is read by rows, each rank its own. The others of a layer (a
+    layer's per-expert tensors) are read whole and converted by transformers onto a meta copy of the model
+    (`scratch`), whose loaded parameters are then cut into the shards and dropped. Layers beyond the model's depth
     (`num_hidden_layers` overridden) are skipped, as `from_pretrained` drops them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -182,15 +207,22 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
 
     path = Path(resolve_model_ref(model))
     if is_converted(str(path)):
-        return _load_converted(slots, path / "model.safetensors")
+        with _open(path / "model.safetensors") as f:
+            keys = list(f.keys())
+        return _load_rows(slots, {path / "model.safetensors": [(k, k) for k in keys]})
     scratch = _meta_model(config, dtype)
-    load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=get_model_conversion_mapping(scratch))
+    mapping = get_model_conversion_mapping(scratch)
+    load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=mapping)
     depth = config.num_hidden_layers
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one bar per layer otherwise
     try:
-        for layer, where in _groups(sorted(Path(resolve_model_ref(model)).glob("*.safetensors"))):
+        for layer, where in _groups(sorted(path.glob("*.safetensors"))):
             if layer >= depth:
+                continue
+            direct, where = _direct(where, scratch, mapping, slots)
+            _load_rows(slots, direct)
+            if not where:
                 continue
             convert_and_load_state_dict_in_model(scratch, _read(where), load_config)
             with torch.no_grad():

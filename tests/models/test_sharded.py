@@ -106,6 +106,16 @@ def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
     assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
 
 
+@pytest.mark.real
+@pytest.mark.integration
+def test_fsdp_sharded_load_of_the_real_moe_equals_the_whole_load(tmp_path):
+    """builtin:smollm2-moe (Mixtral: per-expert w1/w2/w3 stacked by transformers into the fused experts, the gate
+    renamed, the embeddings tied to the head), 2 layers: every parameter bitwise the whole load's."""
+    r = _two_ranks(tmp_path / "out.json", "builtin:smollm2-moe", "full", "model_config={num_hidden_layers: 2}")
+    assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
+
+
 @pytest.mark.integration
 def test_fsdp_sharded_load_of_a_converted_directory_equals_the_whole_load(tmp_path):
     """A `revffn convert` directory (its adapters calibrated, then moved off their fit so that no init could pass
