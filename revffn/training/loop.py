@@ -127,6 +127,13 @@ class Recipe:
                              model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed,
                              resuming=plan.resume_from is not None, method_cls=plan.method)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
+        if self.sharded and self.main:  # which loading route FSDP took (`build_run`): its host memory differs
+            world = data_shard()[1]
+            how = ("built on the meta device, each rank read only its shards" if self.run.loading == "sharded" else
+                   f"loaded whole on each rank, then sharded (method {cfg.method} with these options, or this model, "
+                   "has no sharded route: docs/multi_gpu.md)")
+            _event(plan.run_dir, {"event": "load", "loading": self.run.loading, "world_size": world},
+                   f"{cfg.model} on {world} FSDP ranks: {how}")
         self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
         # where the next items come from, resumably: an order over the tokenized set, or the stream itself
         self.order = plan.train_set if cfg.streaming else DataOrder(len(plan.train_set.items), cfg.seed)

@@ -161,6 +161,9 @@ def test_a_sharded_load_trains_and_resumes_without_calibrating(tmp_path):
 
     ref = train(tmp_path / "ref")
     assert "calibrating the adapters" in ref.stderr
+    assert "each rank read only its shards" in ref.stderr  # the route, once (rank 0), and in events.jsonl
+    events = [json.loads(line) for line in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["loading"], e["world_size"]) for e in events] == [("load", "sharded", 2)]
     shutil.copytree(tmp_path / "ref", tmp_path / "run")
     resumed = train(tmp_path / "run", f"resume={tmp_path / 'run' / 'checkpoints' / 'step-2'}")
     assert "calibration skipped" in resumed.stderr and "calibrating the adapters" not in resumed.stderr
