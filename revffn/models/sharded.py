@@ -53,12 +53,6 @@ def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
     return any(path.glob("*.safetensors"))
 
 
-def _config(model: str, **overrides):
-    config = stored_depth_config(resolve_model_ref(model), **overrides)
-    config._attn_implementation = "sdpa"
-    return config
-
-
 def _meta_model(config, dtype: torch.dtype) -> nn.Module:
     """The HF causal LM of `config`, its parameters on the meta device, its buffers (rotary frequencies) real."""
     from accelerate import init_empty_weights
@@ -76,7 +70,7 @@ def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.M
     path = Path(resolve_model_ref(model))
     if is_converted(str(path)):
         return converted_skeleton(path, _meta_model(stored_config(path), dtype))
-    return _meta_model(_config(model, **overrides), dtype)
+    return _meta_model(stored_depth_config(path, **overrides), dtype)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
