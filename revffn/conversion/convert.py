@@ -137,6 +137,20 @@ def write_full(t: torch.Tensor, value: torch.Tensor) -> None:
         t.copy_(value)
 
 
+def local_rows(t: torch.Tensor) -> slice | None:
+    """The rows of `t`'s whole value this rank holds: a slice for a DTensor sharded by rows (FSDP2's Shard(0) on
+    one mesh dimension: torch.chunk's split, ceil(n / world) rows a rank, none past the last), None for any other
+    tensor (plain, replicated, or sharded otherwise)."""
+    placements = getattr(t, "placements", None)
+    if placements is None or len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
+        return None
+    n, mesh = t.shape[0], t.device_mesh
+    chunk = -(-n // mesh.size())
+    start = min(n, mesh.get_local_rank() * chunk)
+    stop = min(n, start + chunk)
+    return slice(start, stop) if t.to_local().shape[0] == stop - start else None
+
+
 class HFRevBlock(RevBlock):
     """An HF decoder layer as a reversible block: F = attention (token-mixer) branch, G = MoE (or MLP)
     branch, each between its projection adapters (`layout.attn_branch` / `layout.mlp_branch` at width d):
@@ -284,9 +298,8 @@ def _mask_fn_kwargs(fn, config, embeds, attention_mask, position_ids, cache=None
     params = inspect.signature(fn).parameters
     kw = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
     kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
-    for name in CACHE_KWARGS:
-        if name in params:
-            kw[name] = cache
+    if name := next((n for n in CACHE_KWARGS if n in params), None):  # the newest name only (5.25 keeps both)
+        kw[name] = cache
     if "cache_position" in params:
         past = cache.get_seq_length() if cache is not None else 0
         kw["cache_position"] = torch.arange(past, past + embeds.shape[1], device=embeds.device)

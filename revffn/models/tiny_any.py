@@ -111,6 +111,9 @@ TYPE_OVERRIDES: dict[str, dict] = {
     "nemotron": dict(num_key_value_heads=2),  # its default None breaks the attention
     "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1),  # layers: mamba+MLP, attention+MoE, mamba+MLP, mamba+MoE
+    "kolibri1_1": dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention"] * 2,
+                       index_layers=[1], kv_source_layers=[0, 1, 2, 1], mlp_only_layers=[0],
+                       index_num_heads=2),  # layer 3 reads the K/V of layer 1
 }
 
 
