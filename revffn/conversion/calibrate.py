@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from revffn.conversion.convert import write_full
+from revffn.conversion.convert import local_rows, write_full
 from revffn.conversion.teacher import teacher_context, teacher_layer
 
 ADAPTERS = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe")  # one fit each (P_down_*: with its skip)
@@ -82,12 +82,23 @@ class RidgeFit:
             reduce(t)
         self.rows = int(rows.item())
 
-    def solve(self, ridge: float) -> tuple[torch.Tensor, float]:
-        """(W (d_out, d_in): an nn.Linear weight, relative residual ‖XWᵀ - Y‖² / ‖Y‖² on the accumulated rows)."""
+    def solve(self, ridge: float, rows: slice | None = None,
+              reduce: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, float]:
+        """(W (d_out, d_in): an nn.Linear weight, relative residual ‖XWᵀ - Y‖² / ‖Y‖² on the accumulated rows).
+
+        `rows`: only those rows of W (the outputs a rank's shard of the weight holds, `local_rows`); the residual
+        is then this rank's part of it, summed over the ranks by `reduce`. (XᵀX + λI) is factored once (Cholesky)
+        and every output solved on its own, so each row equals the one solved with all the others."""
         lam = ridge * self.xtx.diagonal().mean().clamp(min=1e-12)
-        eye = torch.eye(self.xtx.shape[0], dtype=self.xtx.dtype, device=self.xtx.device)
-        W = torch.linalg.solve(self.xtx + lam * eye, self.xty)  # (d_in, d_out)
-        rss = self.yy - 2 * (W * self.xty).sum() + (W * (self.xtx @ W)).sum()
+        A = self.xtx + lam * torch.eye(self.xtx.shape[0], dtype=self.xtx.dtype, device=self.xtx.device)
+        B = self.xty if rows is None else self.xty[:, rows]
+        L, info = torch.linalg.cholesky_ex(A)
+        W = torch.cholesky_solve(B, L) if info.item() == 0 else torch.linalg.solve(A, B)  # (d_in, outputs)
+        # ‖XW - Y‖² = ‖Y‖² - 2 Σ W∘XᵀY + Σ W∘(XᵀX W), and XᵀX W = XᵀY - λW
+        explained = (W * B).sum() + lam * (W * W).sum()
+        if reduce is not None:
+            reduce(explained)
+        rss = self.yy - explained
         return W.T.contiguous(), float(rss / self.yy.clamp(min=1e-30))
 
 
@@ -258,9 +269,13 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
                     progress(passes + l, total)
                 acc_bytes = max(acc_bytes, sum(f.nbytes for f in fits.values()))
                 for name, fit in fits.items():
-                    weight, rel = fit.solve(ridge)
+                    rows = _shared_rows([m.weight for m in sets[name]])  # FSDP2: each rank solves its own rows
+                    weight, rel = fit.solve(ridge, rows, reduce if rows is not None else None)
                     for layer, w in zip(sets[name], weight.split([m.in_features for m in sets[name]], dim=1)):
-                        write_full(layer.weight, w)  # a sharded weight (FSDP2): its rows
+                        if rows is None:
+                            write_full(layer.weight, w)
+                        else:
+                            layer.weight.to_local().copy_(w)
                     residuals[f"layers.{l}.{name}"] = rel
                     rows = fit.rows
                     if log is not None:
@@ -274,6 +289,13 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     return {"residuals": residuals, "passes": passes, "rows": rows, "accumulator_bytes": acc_bytes,
             "kept_bytes": kept_bytes, "mode": mode, "keep_states": keep_states, "ridge": ridge,
             "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def _shared_rows(weights: list[torch.Tensor]) -> slice | None:
+    """The rows of the fit's output this rank holds in every one of `weights` (P_down and its skip, sharded
+    alike by FSDP2), or None: the whole fit (plain weights, or shards that differ)."""
+    rows = [local_rows(w) for w in weights]
+    return rows[0] if all(r == rows[0] for r in rows) else None
 
 
 @contextlib.contextmanager

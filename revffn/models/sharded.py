@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from revffn.conversion.convert import write_full
+from revffn.conversion.convert import local_rows, write_full
 from revffn.models.loading import (
     converted_skeleton,
     is_converted,
@@ -131,29 +131,16 @@ def parameter_slots(hf: nn.Module) -> dict[str, tuple[nn.Module, str]]:
             for prefix, module in hf.named_modules(remove_duplicate=False) for attr in module._parameters}
 
 
-def _own_rows(param: torch.Tensor, n: int) -> tuple[int, int] | None:
-    """[start, stop) of the rows of an n-row tensor this rank's shard of `param` holds (FSDP2's Shard(0) on one mesh
-    dimension: torch.chunk's split, ceil(n / world) rows a rank); None when `param` is not so sharded."""
-    placements = getattr(param, "placements", None)
-    if placements is None or len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
-        return None
-    mesh = param.device_mesh
-    chunk = -(-n // mesh.size())
-    start = min(n, mesh.get_local_rank() * chunk)
-    stop = min(n, start + chunk)
-    return (start, stop) if param.to_local().shape[0] == stop - start else None
-
-
 def _copy_rows(f, key: str, param: torch.Tensor) -> None:
     """param <- the tensor `key` of the open file `f`, reading only this rank's rows of it where `param` is sharded
     by rows (`get_slice`), the whole tensor otherwise."""
     piece = f.get_slice(key)
     shape = piece.get_shape()
-    rows = _own_rows(param, shape[0]) if shape else None
+    rows = local_rows(param) if shape and shape[0] == param.shape[0] else None
     if rows is None:
         write_full(param, f.get_tensor(key))
-    elif rows[1] > rows[0]:  # (a rank past the last row holds nothing of it)
-        local(param).copy_(piece[rows[0]:rows[1]])
+    elif rows.stop > rows.start:  # (a rank past the last row holds nothing of it)
+        local(param).copy_(piece[rows])
 
 
 def _load_rows(slots: dict[str, tuple[nn.Module, str]], where: dict[Path, list[tuple[str, str]]]) -> None:

@@ -34,6 +34,27 @@ def test_ridge_fit_recovers_a_linear_map_and_reports_its_residual():
     assert 0.0 < rel < 0.01  # the noise left: 0.01 / (1 + ...) of the target's energy
 
 
+def test_ridge_fit_solved_by_rows_equals_the_whole_solve():
+    """Under FSDP2 each rank solves only the rows of W its shard holds (`rows`), and its part of the residual is
+    summed over the ranks (`reduce`): the rows equal the whole solve's and the parts add up to its residual."""
+    torch.manual_seed(0)
+    fit = RidgeFit(8, 5, torch.device("cpu"))
+    X = torch.randn(200, 8, dtype=torch.float64)
+    Y = X @ torch.randn(8, 5, dtype=torch.float64) + torch.randn(200, 5, dtype=torch.float64)
+    fit.add(X, Y)
+    whole, rel = fit.solve(1e-3)
+    assert abs(float(((X @ whole.T - Y) ** 2).sum() / (Y ** 2).sum()) - rel) < 1e-9  # the residual as defined
+    parts = []
+
+    def keep(t):  # an "all-reduce" that records each rank's part instead
+        parts.append(t.clone())
+
+    pieces = [fit.solve(1e-3, rows, keep)[0] for rows in (slice(0, 3), slice(3, 5), slice(5, 5))]
+    torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=1e-12)
+    assert pieces[2].shape == (0, 8)  # a rank past the last row solves nothing
+    assert abs((float(fit.yy) - float(sum(parts))) / float(fit.yy) - rel) < 1e-12
+
+
 @pytest.fixture(scope="module")
 def calibrated_base(tok):
     """builtin:base calibrated on the same 2048 self-sampled tokens, without and with the skip adapters, and
