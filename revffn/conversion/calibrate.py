@@ -25,10 +25,13 @@ attention and MoE outputs alone cannot predict.
 
 Each fit streams over the calibration batches and accumulates XᵀX and XᵀY (and the targets' squared
 norm, for the residual) in fp64: O(d²) per adapter, whatever the number of tokens. Between passes
-each batch's layer inputs (h_l, X_1, X_2) are kept on the host for the current layer only (2·d values
-per token, never × layers), and advanced through the block once it is fitted: five single-layer
-passes per layer (four fits, one advance). `keep_states=False` keeps nothing and reruns each batch through layers
-0..l-1 instead: memory flat in the tokens, at a compute cost quadratic in depth. The solve is ridge
+each batch's layer inputs (h_l, X_1, X_2) are kept on the host for the current layer only (3·d values
+per token, never × layers), with the teacher layer's outputs (A_l, h_{l+1}): the teacher runs once
+per layer. A pass runs only the side of the block its fit reads (F alone for the attention side), and
+the advance to the next layer reuses the last pass's MoE output, so the converted MoE runs once per
+layer and so does the teacher's (full width: two passes and an advance per layer). `keep_states=False`
+keeps nothing and reruns each batch through layers 0..l-1 instead: memory flat in the tokens, at a
+compute cost quadratic in depth. The solve is ridge
 with lambda = `ridge` × mean(diag XᵀX).
 
 `mode="sequential"` (default) makes one pass per adapter: each adapter sees the inputs its block
@@ -134,15 +137,18 @@ def _capture_outputs(modules: dict[str, torch.nn.Module]):
 class _LayerInputs:
     """Per calibration batch, the teacher's h_l and the converted streams X_1, X_2 at the current layer l.
 
-    keep=True holds them on the host, one layer at a time (2·d values per token, never × layers) and
-    advances them through each fitted block: L + 1 layer forwards per pass over the set. keep=False
-    holds nothing and reruns each batch through layers 0..l-1 instead: memory flat in the tokens, at
-    l extra layer forwards (teacher and converted) per batch and pass.
+    keep=True holds them on the host, one layer at a time (2·d values per token, never × layers), with the
+    teacher layer's outputs (A_l, h_{l+1}, and M_l in one_pass mode: 2·d or 3·d more), computed in the
+    layer's first pass and reused by its other passes and the advance: one teacher layer forward per layer
+    and batch. keep=False holds nothing and reruns each batch through layers 0..l-1 instead: memory flat in
+    the tokens, at l extra layer forwards (teacher and converted) per batch and pass.
     """
 
-    def __init__(self, model, batches: Batches, keep: bool):
+    def __init__(self, model, batches: Batches, keep: bool, keep_mlp: bool = True):
         self.model, self.batches, self.keep, self.layer = model, batches, keep, 0
+        self.keep_mlp = keep_mlp  # M_l is an input only in one_pass mode: else not kept (None from the cache)
         self.kept: list[tuple[torch.Tensor, ...]] | None = None
+        self.teacher_kept: list[tuple[torch.Tensor, ...]] = []
 
     def _start(self, input_ids, attention_mask):
         h, position_ids, sctx = teacher_context(self.model, input_ids, attention_mask)
@@ -166,19 +172,41 @@ class _LayerInputs:
                 h = teacher_layer(prev, h, sctx, position_ids)
             yield attention_mask, sctx, position_ids, h, X_1, X_2
 
-    def advance(self) -> None:
-        """Move to the next layer, the current block being fitted."""
+    def teacher(self, i: int, h: torch.Tensor, sctx, position_ids) -> tuple[torch.Tensor, ...]:
+        """(A_l, M_l, h_{l+1}): the current teacher layer's attention output, MoE (MLP) output (None unless
+        `keep_mlp`) and output on batch `i` (whose input is `h`); keep=True runs it in the layer's first pass only."""
+        if self.keep and i < len(self.teacher_kept):
+            return tuple(t if t is None else t.to(h.device) for t in self.teacher_kept[i])
+        block, spec = self.model.blocks[self.layer], self.model.spec
+        with _capture_outputs({"attn": getattr(block.base_layer, spec.attn),
+                               "mlp": getattr(block.base_layer, spec.mlp)}) as t:
+            h_next = teacher_layer(block, h, sctx, position_ids)
+        out = (t["attn"], t["mlp"] if self.keep_mlp else None, h_next)
+        if self.keep:
+            self.teacher_kept.append(tuple(x if x is None else x.cpu() for x in out))
+        return out
+
+    def advance(self, held: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Move to the next layer, the current block being fitted. `held`: per batch, (Y_1, P_down_moe's input)
+        from the pass that fitted P_down_moe last; Y_2 then needs only G's adapters (`g_from_branch`), not the
+        block again."""
         if self.keep:
             block = self.model.blocks[self.layer]
             kept = []
-            for _, sctx, position_ids, h, X_1, X_2 in self:
-                Y_1, Y_2 = block(X_1, X_2, sctx)
-                kept.append((teacher_layer(block, h, sctx, position_ids).cpu(), Y_1.cpu(), Y_2.cpu()))
-            self.kept = kept
+            for i, (_, sctx, position_ids, h, X_1, X_2) in enumerate(self):
+                h_next = self.teacher(i, h, sctx, position_ids)[2]
+                if held is not None:
+                    Y_1, x = (t.to(X_2.device) for t in held[i])
+                    Y_2 = X_2 + block.g_from_branch(x, Y_1, sctx.for_layer(block.position_key))
+                else:
+                    Y_1, Y_2 = block(X_1, X_2, sctx)
+                kept.append((h_next.cpu(), Y_1.cpu(), Y_2.cpu()))
+            self.kept, self.teacher_kept = kept, []
         self.layer += 1
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for state in self.kept or () for t in state)
+        return sum(t.numel() * t.element_size() for state in (self.kept or []) + self.teacher_kept for t in state
+                   if t is not None)
 
 
 def _fitted(block, name: str) -> list[torch.nn.Linear]:
@@ -193,25 +221,31 @@ def _skip_features(skip: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x if features is None else features(x)
 
 
-def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass: bool) -> None:
-    """One pass over the calibration set: accumulate `fits` (adapter name -> RidgeFit) of the current layer."""
+def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass: bool,
+                hold: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """One pass over the calibration set: accumulate `fits` (adapter name -> RidgeFit) of the current layer. A
+    sequential pass runs only the side of the block its fits read (F alone for P_up_attn / P_down_attn).
+    hold: return, per batch, (Y_1, P_down_moe's input) on the host, for `_LayerInputs.advance`."""
     block = model.blocks[inputs.layer]
-    base, spec = block.base_layer, model.spec
-    for attention_mask, sctx, position_ids, h, X_1, X_2 in inputs:
-        with _capture_outputs({"attn": getattr(base, spec.attn), "mlp": getattr(base, spec.mlp)}) as t:
-            h_next = teacher_layer(block, h, sctx, position_ids)
-        a = h + t["attn"]
+    needs_g = any(n in fits for n in ("p_up_moe", "p_down_moe"))
+    needs_f = needs_g or "p_down_attn" in fits
+    held = [] if hold else None
+    for i, (attention_mask, sctx, position_ids, h, X_1, X_2) in enumerate(inputs):
+        t_attn, t_mlp, h_next = inputs.teacher(i, h, sctx, position_ids)
+        a = h + t_attn
         a_target, h_target = model.stream_targets(a, h_next)  # what Y_1 and Y_2 track
         if one_pass:  # the teacher's attention output, post-attention state and MoE output as inputs
-            inputs_of = {"p_down_attn": t["attn"], "p_up_moe": a_target, "p_down_moe": t["mlp"]}
+            inputs_of = {"p_down_attn": t_attn, "p_up_moe": a_target, "p_down_moe": t_mlp}
         else:  # what the converted block really feeds each adapter, the ones fitted before it in place
             with _capture_inputs({n: getattr(block, n) for n in ("p_down_attn", "p_down_moe")}) as s:
-                Y_1, _ = block(X_1, X_2, sctx)
-            inputs_of = {"p_down_attn": s["p_down_attn"], "p_up_moe": Y_1, "p_down_moe": s["p_down_moe"]}
-        if block.p_skip_attn is not None:  # the skip's input beside the branch output: one joint fit
+                Y_1 = block(X_1, X_2, sctx)[0] if needs_g else block.first_half(X_1, X_2, sctx) if needs_f else None
+            inputs_of = {"p_down_attn": s.get("p_down_attn"), "p_up_moe": Y_1, "p_down_moe": s.get("p_down_moe")}
+            if held is not None:
+                held.append((Y_1.cpu(), s["p_down_moe"].cpu()))
+        if block.p_skip_attn is not None and "p_down_attn" in fits:  # the skip's input beside the branch output
             inputs_of["p_down_attn"] = torch.cat([inputs_of["p_down_attn"].double(),
                                                  _skip_features(block.p_skip_attn, X_2).double()], dim=-1)
-        if block.p_skip_moe is not None:
+        if block.p_skip_moe is not None and "p_down_moe" in fits:
             skip_in = _skip_features(block.p_skip_moe, inputs_of["p_up_moe"])
             inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), skip_in.double()], dim=-1)
         targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a_target - X_1),
@@ -221,6 +255,7 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
         for name, fit in fits.items():
             X, Y = targets[name]
             fit.add(X.reshape(-1, X.shape[-1])[rows], Y.reshape(-1, Y.shape[-1])[rows])
+    return held
 
 
 @torch.no_grad()
@@ -233,8 +268,9 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
         batches: called once per pass; yields (input_ids (B, T), attention_mask (B, T) or None).
         ridge: lambda as a fraction of the mean diagonal of XᵀX.
         mode: ``sequential`` (one pass per adapter) or ``one_pass`` (one pass per layer; see the module doc).
-        keep_states: hold each batch's layer inputs on the host between passes (linear in depth, 2·d
-            values per token) rather than recomputing them (memory flat in tokens, quadratic in depth).
+        keep_states: hold each batch's layer inputs on the host between passes (2-3·d values per token), the
+            teacher layer's outputs (2-3·d more) and before an advance the last pass's Y_1 and MoE output (never
+            × depth) rather than recomputing them (memory flat in tokens, compute quadratic in depth).
         log: called with one line per fitted adapter (its relative residual).
         progress: called as progress(passes done, passes in all) after every pass over the calibration set
             (one per fit and one per advance to the next layer): a progress bar's feed.
@@ -251,7 +287,7 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
     model.eval()
     t0 = time.perf_counter()
     residuals, passes, acc_bytes, rows, kept_bytes = {}, 0, 0, 0, 0
-    inputs = _LayerInputs(model, batches, keep_states)
+    inputs = _LayerInputs(model, batches, keep_states, keep_mlp=mode == "one_pass")
     plan = [[n for n in ADAPTERS if getattr(block, n) is not None] for block in model.blocks]  # full width: no P_up
     total = sum(1 if mode == "one_pass" else len(fitted) for fitted in plan) + len(plan) - 1
     for l, (block, fitted) in enumerate(zip(model.blocks, plan)):
@@ -260,7 +296,10 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
                 sets = {n: _fitted(block, n) for n in group}
                 fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
                                     getattr(block, n).weight.device) for n in group}
-                _layer_pass(model, inputs, fits, mode == "one_pass")
+                last = group == (fitted[-1],) and group == ("p_down_moe",) and keep_states
+                held = _layer_pass(model, inputs, fits, mode == "one_pass", hold=last)
+                kept_bytes = max(kept_bytes, inputs.nbytes() + sum(t.numel() * t.element_size()
+                                                                   for pair in held or () for t in pair))
                 if reduce is not None:
                     for fit in fits.values():
                         fit.reduce(reduce)
@@ -281,7 +320,7 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
                     if log is not None:
                         log(f"calibrate layer {l} {name}: relative residual {rel:.4f} ({fit.rows} tokens)")
             if l + 1 < len(model.blocks):
-                inputs.advance()
+                inputs.advance(held)
                 kept_bytes = max(kept_bytes, inputs.nbytes())
                 if progress is not None:
                     progress(passes + l + 1, total)

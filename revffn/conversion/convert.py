@@ -251,10 +251,19 @@ class HFRevBlock(RevBlock):
             y_in = Y_1.to(self.weight_dtype)
             y_up = y_in if self.p_up_moe is None else self.p_up_moe(y_in)
             x = mlp_branch(self.base_layer, self.spec, y_up, self.branch_scale, self.branch_dropout)
-            out = x if self.p_down_moe is None else self.p_down_moe(x)
-            if self.p_skip_moe is not None:
-                out = out + self.p_skip_moe(y_in)
-            return out.to(Y_1.dtype)
+            return self._g_adapters(x, y_in).to(Y_1.dtype)
+
+    def _g_adapters(self, x: torch.Tensor, y_in: torch.Tensor) -> torch.Tensor:
+        out = x if self.p_down_moe is None else self.p_down_moe(x)
+        if self.p_skip_moe is not None:
+            out = out + self.p_skip_moe(y_in)
+        return out
+
+    def g_from_branch(self, x: torch.Tensor, Y_1: torch.Tensor, sctx: StackContext) -> torch.Tensor:
+        """G(Y_1) from its branch's output x (P_down_moe's input, computed from this Y_1 before): only the adapters
+        run, as G runs them. Calibration advances a layer this way after fitting P_down_moe on the same x."""
+        with sctx.autocast():
+            return self._g_adapters(x, Y_1.to(self.weight_dtype)).to(Y_1.dtype)
 
 
 @dataclass

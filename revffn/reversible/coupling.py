@@ -228,6 +228,10 @@ class RevBlock(nn.Module):
             sctx.aux.add(logits)
         return Y_1, Y_2
 
+    def first_half(self, X_1, X_2, sctx: StackContext) -> torch.Tensor:
+        """Y_1 alone, G not run (calibration: a fit that needs only F's side)."""
+        return X_1 + self.F(X_2, sctx.for_layer(self.position_key))
+
     def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None):
         """Rebuild (X_1, X_2) from (Y_1, Y_2) and back-propagate (dY_1, dY_2) through the block.
 
