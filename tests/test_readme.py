@@ -224,3 +224,33 @@ def test_the_architecture_claim_matches_the_committed_sweep():
     assert int(n_all) == sum(dense.values()) and int(n_exact) == len(exact) == dense["exact"]
     assert [int(n) for n in n_failed] == [dense["refused"], dense["crash"], dense["build-error"]]
     assert set(re.findall(r"`(\w+)`", named)) <= exact and not dense["wrong"] and not dense["unfaithful"]
+
+
+FIGURE = re.compile(r"(?<![\w.`-])[+]?(\d+\.\d+)x?(?![\w.`])|(?<![\w.`-])(\d+) %")  # 0.854x, +1.8, 90 %
+CITED = re.compile(r"\(?(docs/[\w./-]+\.md)")
+
+
+def readme_figures() -> list[tuple[str, list[str], list[str]]]:
+    """(paragraph, the docs pages it cites, the measured figures in it) for each README paragraph or bullet that
+    cites a page, outside code fences and tables (the tables are generated from the code and checked)."""
+    text = FENCE.sub("", README)
+    out = []
+    for para in re.split(r"\n\s*\n|\n(?=- )", text):
+        if para.lstrip().startswith("|"):
+            continue
+        pages = sorted(set(CITED.findall(para)))
+        figures = [a or b for a, b in FIGURE.findall(para)]
+        if pages and figures:
+            out.append((" ".join(para.split())[:80], pages, figures))
+    return out
+
+
+def test_readme_figures_are_quoted_from_the_pages_they_cite():
+    """A measured figure in the README (a ratio, a loss, a percentage) is never typed twice: it appears on a page
+    the same paragraph cites, where the command that measured it is."""
+    checked = readme_figures()
+    assert len(checked) >= 3  # the quickstart result and the limits at least
+    for para, pages, figures in checked:
+        text = " ".join((ROOT / p).read_text() for p in pages)
+        missing = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", text)]
+        assert not missing, f"README: {missing} in {para!r}... appear on none of {pages}"
