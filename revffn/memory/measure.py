@@ -55,9 +55,10 @@ def saved_bytes_of_stack(model):
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes), at least the RSS now: Linux
+    raises its high-water mark lazily (when memory is unmapped), so the RSS now can be above it."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return max(peak if sys.platform == "darwin" else peak * 1024, current_rss_bytes())
 
 
 def current_rss_bytes() -> int:

@@ -10,7 +10,6 @@ data, or that holds conversations rather than plain text, gets a warning.
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 
@@ -22,16 +21,12 @@ from revffn.data.calibration import SELF, calibration_rows, is_task_data, row_ba
 from revffn.data.collate import data_shard
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
+from revffn.memory.measure import peak_rss_bytes
 from revffn.progress import progress
 
 
 def log_line(line: str) -> None:
     print(f"revffn: {line}", file=sys.stderr, flush=True)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_source(source: str, key: str, training_data: tuple[str | None, ...] = (), log=log_line) -> None:

@@ -31,8 +31,9 @@ from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
+from revffn.memory.measure import peak_rss_bytes
 from revffn.methods.base import write_manifest
-from revffn.methods.calibration import calibrate_model, check_source, log_line, peak_rss_bytes
+from revffn.methods.calibration import calibrate_model, check_source, log_line
 from revffn.models.cache import check_replaceable
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
