@@ -67,6 +67,18 @@ def current_rss_bytes() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
+def reset_rss_peak() -> bool:
+    """Start a new RSS peak: Linux's high-water mark set to the RSS now (`/proc/self/clear_refs` "5", Linux 4.0+),
+    so that `peak_rss_bytes` then covers what follows only, as CUDA's peak after `reset_peak_memory_stats`. False
+    where the kernel does not allow it: the peak is then the process's since its start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA max allocated on GPU, process peak RSS on CPU."""
     if device.type == "cuda":

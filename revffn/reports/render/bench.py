@@ -15,6 +15,14 @@ from pathlib import Path
 MiB = 2**20
 
 
+def _cpu_peak(rows: list[dict]) -> str:
+    """What a CPU row's peak covers: the steps (the RSS high-water mark reset once the model was built, as CUDA's
+    peak is), or the process from its start (rows measured before the reset, or a kernel that refused it)."""
+    if rows and all(r.get("peak_since") == "built" for r in rows):
+        return "peak RSS over the steps (reset once the model is built; the start-up's is `load_peak_rss_bytes`)"
+    return "process peak RSS"
+
+
 def _mib(n) -> str:
     if n is None:
         return ""
@@ -103,7 +111,7 @@ def bench_markdown(data: dict) -> str:
                   f"{_mib(r['static_bytes'])} ({_mib(r.get('est_static_bytes'))})", f"{r['trainable_params']:,}",
                   _mib(r["routing_record_bytes"]) if r.get("routing_record_bytes") else ""]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "peak mem: " + ("CUDA max allocated" if cuda else "process peak RSS minus the RSS after imports")
+    lines += ["", "peak mem: " + ("CUDA max allocated" if cuda else _cpu_peak(rows) + " minus the RSS after imports")
               + "; tokens/s: median over the timed steps; saved for backward: bytes autograd holds after one "
               "forward (parameters excluded; revffn's routing records listed apart); static: weights + grads + "
               "optimizer states; (est.): `revffn estimate` for the same configuration."]
@@ -217,8 +225,9 @@ def ranks_markdown(data: dict) -> str:
     cuda = any(r.get("peak_reserved_bytes") for r in rows)
     notes = ["", f"static: the parameters, gradients and optimizer states a process holds from step to step (of a "
              f"sharded FSDP2 DTensor, its local shard); (est.): `revffn estimate --world-size {n} --distributed "
-             f"{strategy}`. peak: " + ("CUDA max allocated" if cuda else "each process's peak RSS minus its RSS after "
-                                       "the imports (a rank's includes the process group and the gathered units)")
+             f"{strategy}`. peak: " + ("CUDA max allocated" if cuda else f"each process's {_cpu_peak(rows)} minus its "
+                                       "RSS after the imports (a rank's includes the process group and the gathered "
+                                       "units)")
              + ". `--batch` is per rank: every rank steps batch x seq tokens of its own, and the one-process run "
              "steps one such batch, so its activations are one rank's; tokens/s of all ranks is their sum."]
     notes += _alloc_note(data, cuda)

@@ -15,7 +15,8 @@ process group as training does (`parallel.init_distributed`: gloo on CPU, NCCL o
 batch of its own (B rows, drawn with seed + rank) and prints its own row, tagged with `rank`; the
 parent gathers them.
 
-Memory: on CPU `peak_mem_bytes` is the process peak RSS minus the RSS right after the imports; on
+Memory: on CPU `peak_mem_bytes` is the peak RSS over the steps (the high-water mark reset once the model is
+built, `peak_since: built`; `load_peak_rss_bytes` is the start-up's) minus the RSS right after the imports; on
 CUDA `torch.cuda.max_memory_allocated` (and `_reserved`) after a reset once the model is built.
 Parameter, gradient and optimizer-state bytes are what this process holds: of a sharded (FSDP2
 DTensor) tensor, its local shard.
@@ -36,7 +37,7 @@ import torch
 import transformers  # noqa: F401
 from torch.distributed.tensor import DTensor
 
-from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes
+from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes, reset_rss_peak
 from revffn.methods import method_class
 from revffn.models.loading import build_hf
 from revffn.models.sharded import sharded_loadable
@@ -162,6 +163,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
     # start-up: the process's peak RSS from its start until the model is built, prepared (calibrated) and sharded,
     # and the time that took (the process group, the build and the preparation; the imports before it)
     row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, loading=run.loading)
+    row["peak_since"] = "built" if reset_rss_peak() else "start"  # the steps' peak, as CUDA's after its reset
     first = run.method.steady_state_step()
     times, stages = [], []
     for i in range(steps + 1):
@@ -189,8 +191,8 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
 
 
 def peak_memory(device: torch.device, baseline_rss: int | None) -> dict:
-    """The row's peak: CUDA max allocated (and reserved) since the reset, or on CPU the process peak RSS minus
-    the RSS after the imports."""
+    """The row's peak: CUDA max allocated (and reserved) since the reset, or on CPU the peak RSS since the reset
+    (`reset_rss_peak`) minus the RSS after the imports."""
     if device.type == "cuda":
         return {"gpu": torch.cuda.get_device_name(device), "peak_mem_bytes": torch.cuda.max_memory_allocated(device),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}

@@ -12,12 +12,12 @@ AdamW at the run's LR, weight decay and clipping. The MoE load-balancing loss is
 coefficient (`output_router_logits`), as a user fine-tuning an MoE would set it. The LR is constant: the
 bench times steps, it does not train.
 
-Measured as the revffn worker measures: peak RSS minus the RSS right after the imports on CPU (the same
-modules imported), CUDA `max_memory_allocated` / `_reserved` after a reset once the model is built;
-tokens/s the median over the steps after the first (a `TrainerCallback` times `on_step_begin` to
-`on_step_end`: forward, backward, clipping, AdamW, zero_grad); the bytes saved for backward during the
-first step's forward (`compute_loss`, parameters excluded), gradient bytes before the optimizer step,
-and AdamW's states. The row keeps the Trainer's own `log_history` and `global_step`: proof that it ran.
+Measured as the revffn worker measures: the peak RSS over the steps (reset once the Trainer is built) minus the
+RSS right after the imports on CPU (the same modules imported), CUDA `max_memory_allocated` / `_reserved` after
+a reset once the model is built; tokens/s the median over the steps after the first (a `TrainerCallback`
+times `on_step_begin` to `on_step_end`: forward, backward, clipping, AdamW, zero_grad); the bytes saved for
+backward during the first step's forward (`compute_loss`, parameters excluded), gradient bytes before the
+optimizer step, and AdamW's states. The row keeps the Trainer's own `log_history` and `global_step`: proof that it ran.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from revffn.data.tokenizer import model_tokenizer
-from revffn.memory.measure import current_rss_bytes
+from revffn.memory.measure import current_rss_bytes, reset_rss_peak
 from revffn.models.loading import build_hf
 from revffn.reports.bench import train_config
 from revffn.reports.workers import bench as bench_worker
@@ -144,6 +144,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         build_s = time.perf_counter() - t_build
+        peak_since = "built" if reset_rss_peak() else "start"  # the steps' peak, as the revffn worker's
         trainer.train()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -160,6 +161,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
            "loss": losses[-1] if losses else None, "versions": {"transformers": transformers.__version__},
            "geometry": {k: getattr(hf.config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}}
     row["optimizer_state_bytes_total"] = row["optimizer_state_bytes"]
+    row["peak_since"] = peak_since
     return {**row, **peak_memory(device, baseline_rss)}
 
 
