@@ -248,9 +248,11 @@ def _layer_pass(model, inputs: _LayerInputs, fits: dict[str, RidgeFit], one_pass
         if block.p_skip_moe is not None and "p_down_moe" in fits:
             skip_in = _skip_features(block.p_skip_moe, inputs_of["p_up_moe"])
             inputs_of["p_down_moe"] = torch.cat([inputs_of["p_down_moe"].double(), skip_in.double()], dim=-1)
-        targets = {"p_up_attn": (X_2, h), "p_down_attn": (inputs_of["p_down_attn"], a_target - X_1),
-                   "p_up_moe": (inputs_of["p_up_moe"], a),
-                   "p_down_moe": (inputs_of["p_down_moe"], h_target - X_2)}
+        targets = {"p_up_attn": (X_2, h), "p_up_moe": (inputs_of["p_up_moe"], a)}
+        if "p_down_attn" in fits:  # (the differences only for the fits of this pass)
+            targets["p_down_attn"] = (inputs_of["p_down_attn"], a_target - X_1)
+        if "p_down_moe" in fits:
+            targets["p_down_moe"] = (inputs_of["p_down_moe"], h_target - X_2)
         rows = slice(None) if attention_mask is None else attention_mask.reshape(-1).bool()
         for name, fit in fits.items():
             X, Y = targets[name]
@@ -296,7 +298,7 @@ def calibrate(model, batches: Batches, ridge: float = 1e-3, mode: str = "sequent
                 sets = {n: _fitted(block, n) for n in group}
                 fits = {n: RidgeFit(sum(m.in_features for m in sets[n]), getattr(block, n).out_features,
                                     getattr(block, n).weight.device) for n in group}
-                last = group == (fitted[-1],) and group == ("p_down_moe",) and keep_states
+                last = keep_states and group == (fitted[-1],) == ("p_down_moe",)  # the layer's last fit
                 held = _layer_pass(model, inputs, fits, mode == "one_pass", hold=last)
                 kept_bytes = max(kept_bytes, inputs.nbytes() + sum(t.numel() * t.element_size()
                                                                    for pair in held or () for t in pair))
