@@ -1,9 +1,10 @@
-"""[RIDGE=1e-3] [RMODE=mean|diag] [LIMIT=32|all] python scripts/prototypes/skip_features.py VARIANT TOKENS THREADS
+"""[RIDGE=1e-3] [RMODE=mean|diag] [LIMIT=32|all] [BIAS_C=1] [CAL=builtin:pydoc_calibration]
+    python scripts/prototypes/skip_features.py VARIANT TOKENS THREADS
 
 Prototype behind docs/conversion.md ("Calibration levers on SmolLM2"): what the full-width skips read, and the
 ridge. VARIANT: raw (the skip reads the stream X, as built) | norm ([X, X/rms(X)]) | onlynorm (X/rms(X)) | bias
-([X, 1]) | normbias. The dense builtin:smollm2 is converted at full width, calibrated in closed form on TOKENS of
-builtin:pydoc_calibration (`conversion.calibrate`, which reads a skip's `features`), and scored on builtin:pydoc_text
+([X, BIAS_C]: a bias path) | normbias. The dense builtin:smollm2 is converted at full width, calibrated in closed
+form on TOKENS of CAL (`conversion.calibrate`, which reads a skip's `features`), and scored on builtin:pydoc_text
 (LIMIT=32: the first 32 documents; all: every one).
 """
 
@@ -16,14 +17,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
+from revffn.conversion import calibrate as C
 from revffn.conversion.convert import convert
 from revffn.data.calibration import calibration_rows, row_batches
 from revffn.data.tokenizer import model_tokenizer
-from revffn.models import calibrate as C
 from revffn.models.loading import load_hf
 from revffn.training.evaluate import retention_loss
 
 RIDGE, RMODE = float(os.environ.get("RIDGE", "1e-3")), os.environ.get("RMODE", "mean")
+BIAS_C = float(os.environ.get("BIAS_C", "1"))  # the constant feature's value: its scale against the ridge
 
 
 class FeatSkip(nn.Module):
@@ -40,7 +42,7 @@ class FeatSkip(nn.Module):
         if "norm" in self.kind:
             parts.append(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
         if "bias" in self.kind:
-            parts.append(torch.ones_like(x[..., :1]))
+            parts.append(torch.full_like(x[..., :1], BIAS_C))
         return torch.cat(parts, -1)
 
     def forward(self, x):
@@ -65,7 +67,7 @@ def main(variant: str, n_tokens: int, threads: int) -> None:
         for b in model.blocks:
             d = b.p_down_attn.out_features
             b.p_skip_attn, b.p_skip_moe = FeatSkip(d, variant), FeatSkip(d, variant)
-    rows = calibration_rows("builtin:pydoc_calibration", tok, model, n_tokens, "calibration", 0)
+    rows = calibration_rows(os.environ.get("CAL", "builtin:pydoc_calibration"), tok, model, n_tokens, "calibration", 0)
     report = C.calibrate(model, row_batches(rows), ridge=RIDGE)
     with torch.no_grad():
         loss = retention_loss(model, tok, "builtin:pydoc_text", 256,
