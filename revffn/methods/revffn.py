@@ -124,10 +124,11 @@ class RevFFNMethod(Method):
     STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
                      "calibration_data": SELF}
     STUDY_GAP_VARIANTS = {  # the paper's four adapters, the old default (coordinate init, task warm-up, no
-        # skips) and the stage-2 guard
+        # skips) and the stage-2 guard by each teacher route (a frozen copy; the cached final states and the head)
         "no-skip": {"adapter_skip": False},
         "old-default": {"adapter_init": "coordinate", "heal_data": TASK, "adapter_skip": False},
         "distill-1": {"distill_coef": 1.0},
+        "distill-1-cached": {"distill_coef": 1.0, "distill_teacher": "cached"},
     }
 
     def __init__(self, cfg):

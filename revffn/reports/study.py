@@ -334,7 +334,8 @@ def gap_rows(names: dict, runs: list[dict], base_loss: float | None) -> list[dic
                          "lr": r["job"]["lr"], "base": base_loss, "converted_init": r.get("converted_retention_loss"),
                          "after_stage1": r["stage1_retention_loss"], "after_schedule": r["retention_loss"],
                          "converted_probes": r.get("converted_probe_accuracy"), "probes_after": r.get("probe_accuracy"),
-                         "test_exact_match": r["test_exact_match"], "default": label == "default"})
+                         "test_exact_match": r["test_exact_match"], "peak_mem_bytes": r.get("peak_mem_bytes"),
+                         "tokens_per_s": r.get("tokens_per_s"), "default": label == "default"})
     return rows
 
 

@@ -265,3 +265,30 @@ def test_quick_study_on_the_real_base(tmp_path):
     assert all(r["probe_accuracy"]["n"] == 1 for r in data["summary"])
     gap = data["conversion_gap"][0]
     assert gap["converted_init"] > data["base_retention_loss"] and gap["converted_probes"] is not None
+
+
+def test_both_distillation_teachers_run_as_gap_variants_and_render_with_their_memory(tmp_path):
+    """The stage-2 guard by each teacher route (issue 26: a frozen copy against the cached final states and the
+    head) is a conversion-gap variant of the same run; its row shows the route, peak memory and tokens/s."""
+    plan = StudyPlan(methods=("revffn",), tasks=("gsm",), seeds=(0,))
+    grid = [{"name": "revffn-gsm-s0-lr0.0001", "method": "revffn", "task": "gsm", "seed": 0, "lr": 1e-4}]
+    jobs, names = study.gap_plan(plan, tmp_path, grid, {"revffn/gsm": 1e-4})
+    options = {label: job["options"] for (_, _, label), job in zip(list(names)[1:], jobs)}
+    assert options["distill-1"]["distill_coef"] == options["distill-1-cached"]["distill_coef"] == 1.0
+    assert options["distill-1-cached"]["distill_teacher"] == "cached" and "distill_teacher" not in options["distill-1"]
+    runs = [{**_run("revffn", "gsm", 0, 1e-4), "name": grid[0]["name"], "stage1_retention_loss": 2.1,
+             "job": {**grid[0], "options": plan.options("revffn")}}]
+    for i, job in enumerate(jobs):
+        runs.append({**_run("revffn", "gsm", 0, 1e-4), "name": job["name"], "job": job, "stage1_retention_loss": 2.1,
+                     "converted_retention_loss": 2.3, "peak_mem_bytes": (200 + i) * 2 ** 20, "tokens_per_s": 50.0 + i})
+    gap = study.gap_rows(names, runs, 2.0)
+    by_label = {g["variant"]: g for g in gap}
+    assert by_label["distill-1-cached"]["peak_mem_bytes"] == (200 + len(jobs) - 1) * 2 ** 20
+    data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(asdict(plan))), "wall_s": 60,
+            "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 2.0,
+            "chosen_lr": {"revffn/gsm": 1e-4}, "summary": summarize(plan, runs[:1], {"revffn/gsm": 1e-4}, 2.0),
+            "conversion_gap": gap, "runs": runs}
+    md = study_markdown(data)
+    last = len(jobs) - 1
+    assert f"| 1 (cached) | 2.0000 | 2.3000 | 2.1000 | 2.0000 | 50.0 | {200 + last} | {50 + last} |" in md
+    assert "| 1 (copy) |" in md and "| peak mem MiB | tokens/s |" in md

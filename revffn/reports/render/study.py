@@ -121,19 +121,23 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         lines += ["", "## Failed runs", ""] + [f"- {r['name']}: {r['error']}" for r in errors]
     lines += ["", "## Conversion gap (RevFFN, retention loss)", "",
               "| task | variant | adapter init | stage 1 | distill_coef | base | converted at init | after stage 1 | "
-              "after schedule | " + ("probes % at init | probes % after | " if probes else "") + "test exact match % |",
-              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if probes else "")]
+              "after schedule | " + ("probes % at init | probes % after | " if probes else "")
+              + "test exact match % | peak mem MiB | tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if probes else "")]
 
     def cell(v, fmt=".4f", scale=1.0):
         return "n/a" if v is None else f"{v * scale:{fmt}}"
 
     for g in data["conversion_gap"]:
         stage1 = f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
+        distill = f"{g.get('distill_coef', 0):g}" + (f" ({g.get('distill_teacher', 'copy')})"
+                                                    if g.get("distill_coef") else "")
         lines.append(f"| {g['task']} | {g['variant']} | {g.get('adapter_init', 'calibrated')} | {stage1} | "
-                     f"{g.get('distill_coef', 0):g} | {g['base']:.4f} | {cell(g['converted_init'])} | "
+                     f"{distill} | {g['base']:.4f} | {cell(g['converted_init'])} | "
                      f"{cell(g['after_stage1'])} | {g['after_schedule']:.4f} | "
                      + (f"{cell(g.get('converted_probes'), '.1f', 100)} | {cell(g.get('probes_after'), '.1f', 100)} | "
-                        if probes else "") + f"{100 * g['test_exact_match']:.1f} |")
+                        if probes else "") + f"{100 * g['test_exact_match']:.1f} | "
+                     f"{cell(g.get('peak_mem_bytes'), '.0f', 2 ** -20)} | {cell(g.get('tokens_per_s'), '.0f')} |")
     if data["conversion_gap"]:
         lines += ["", f"Seed {plan['seeds'][0]}, each task at RevFFN's chosen LR for it; the default's gap at init "
                   "is measured on the first task (the conversion does not depend on the task)."]
