@@ -150,7 +150,8 @@ def test_a_device_that_is_not_here_exits_2_naming_the_flag(tmp_path, capsys, dev
 def test_a_heal_that_diverges_exits_2_naming_the_lr_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main(["convert", "builtin:base", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "10",
-                 "--heal-lr", "0.1", "--heal-batch-size", "2", "--eval-data", "builtin:commas_val"]) == 2  # KL 1.5x up
+                 "--heal-lr", "0.1", "--heal-batch-size", "2", "--heal-data", "builtin:stdlib_text",
+                 "--eval-data", "builtin:commas_val"]) == 2  # KL 1.5x up
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--heal-lr" in err and "diverged" in err and "Fix:" in err, err
     assert not out.exists() and not list(tmp_path.iterdir())
