@@ -103,7 +103,8 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
         cmd += ["--device", device]
     if not skip:
         cmd += ["--no-adapter-skip"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # the checkout, then the caller's
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     done = target / "revffn.json"
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
             "heal_data": src[heal] if heal else "self", "adapter_skip": skip, "stream_width": width,

@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(path.stem))
 
 
+def needs_model_types(*names: str):
+    """Skip where this transformers lacks a model type (types newer than 5.17, the supported minimum)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    missing = [n for n in names if n not in CONFIG_MAPPING]
+    return pytest.mark.skipif(bool(missing), reason=f"transformers {transformers.__version__} has no {missing}")
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -68,6 +68,11 @@ def cache_kwarg(module: nn.Module) -> str | None:
     return _cache_kwarg(type(module))
 
 
+def output_cache(out):
+    """The KV cache an HF model output carries (`out.cache`; `out.past_key_values` before 5.24), or None."""
+    return next((getattr(out, name) for name in CACHE_KWARGS if getattr(out, name, None) is not None), None)
+
+
 def call_mixer(mixer: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
     """mixer(x, **the kwargs it accepts) as one (B, T, d) tensor: attention returns a tuple (its
     output first), linear-attention / SSM / convolution mixers often a bare tensor."""

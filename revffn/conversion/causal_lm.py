@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from revffn.archs.architectures import spec_for
-from revffn.archs.layout import logits_transform
+from revffn.archs.layout import cache_kwarg, logits_transform, output_cache
 from revffn.archs.spec import get_path
 from revffn.conversion.convert import RevFFNOutput
 from revffn.conversion.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
@@ -58,11 +58,11 @@ class CausalLM(nn.Module):
             for tap in self._taps:
                 taps.enter_context(tap.listen())
             base = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=use_cache, **({"cache": cache} if cache is not None else {}))
+                            use_cache=use_cache, **({cache_kwarg(backbone): cache} if cache is not None else {}))
         router_logits = [tap.take() for tap in self._taps]  # held by the aux loss's graph alone
         hidden = base.last_hidden_state
         head = get_path(self.hf, self.spec.head)
-        out = RevFFNOutput(cache=base.cache if use_cache else None)
+        out = RevFFNOutput(cache=output_cache(base) if use_cache else None)
         if self.aux_loss_coef > 0 and self.spec.aux_loss and self._taps:
             rows = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:]  # the new tokens'
             row_mask = None if rows is None else rows.reshape(-1).float()

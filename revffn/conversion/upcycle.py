@@ -168,7 +168,8 @@ def upcycle_into(model: str, src: Path, out: Path, experts: int, top_k: int, arc
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     check_upcycle(config, experts, top_k, arch, key)  # before the weights are read
     with progress("upcycle", "stage", 4) as bar:
-        dense = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32)
+        dense = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32,
+                                                     use_kernels=False)  # no Hub kernels (models.loading.load_hf)
         bar(1, 4, "loaded")
         moe = upcycle(dense, experts, top_k, arch, seed, renormalize, key)
         bar(2, 4, "upcycled")

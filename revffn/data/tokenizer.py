@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from revffn.errors import UserError, one_line
 from revffn.models.hub import parse_hub_id, snapshot
-from revffn.models.loading import resolve_model_ref, stored_config
+from revffn.models.loading import config_presets, resolve_model_ref, stored_config
 from revffn.models.presets import TINY_PRESETS
 
 SHIPPED_TOKENIZER = str(Path(__file__).resolve().parent.parent / "assets" / "tokenizer")
@@ -92,7 +92,8 @@ def _nested_revffn_config(where: str):
 
 def model_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer training uses for `model`: `tokenizer` when set, else the model's own (its directory,
-    `builtin:base`'s, a Hub ID's), else, for a tiny preset, the shipped one."""
+    `builtin:base`'s, a Hub ID's), else, for a tiny preset or a config-only geometry (random init), the shipped one."""
     if tokenizer:
         return load_tokenizer(tokenizer)
-    return load_tokenizer(None if model in TINY_PRESETS else resolve_model_ref(model, weights=False))
+    random_init = model in TINY_PRESETS or model in config_presets()
+    return load_tokenizer(None if random_init else resolve_model_ref(model, weights=False))

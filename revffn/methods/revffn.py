@@ -166,9 +166,10 @@ class RevFFNMethod(Method):
         if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
             from revffn.data.calibration import file_rows
             from revffn.data.tokenizer import model_tokenizer
-            from revffn.models.loading import check_model_ref
+            from revffn.models.loading import model_kind
 
-            check_model_ref(cfg.model)  # a bad model reference is the error to report, not its tokenizer's
+            model_kind(cfg.model)  # a bad model reference is the error to report, not its tokenizer's (a config-only
+            # geometry, random init for bench / check / estimate, is a good one here: `train` refuses it itself)
 
             file_rows(opts["calibration_data"], model_tokenizer(cfg.model, cfg.tokenizer), opts["calibration_tokens"],
                       "revffn.calibration_data", budget_key="revffn.calibration_tokens")

@@ -101,7 +101,7 @@ def materialize(path: Path, out: Path, key: str = "model") -> None:
     where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(**where)
-        quantized = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, use_kernels=False)
     except Exception as e:
         raise UserError(f"{key}: transformers could not load the GGUF file {path} ({one_line(e)}). Fix: use a GGUF "
                         "of a supported architecture and quantization, or the original checkpoint.") from None

@@ -81,7 +81,9 @@ def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
         if known in _RESOLVED and Path(_RESOLVED[known]).is_dir():
             return _RESOLVED[known]
     try:
-        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns(weights))
+        # offline: the cache only (huggingface_hub 1.x would still list a pinned commit's files online and fail)
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=patterns(weights),
+                                 local_files_only=constants.is_offline_mode())
         _RESOLVED[cache, ref, weights] = path
         return path
     except errors.LocalEntryNotFoundError as e:

@@ -273,14 +273,18 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
     config = stored_depth_config(path, **config_overrides)
     stored = AutoConfig.from_pretrained(path, local_files_only=True).num_hidden_layers
     if config.num_hidden_layers >= stored:
-        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+        # use_kernels=False wherever revffn loads: newer transformers default it on with `kernels` installed and a GPU,
+        # then fetch kernels from the Hub (fails offline; revffn's blocks replace those layers anyway)
+        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype,
+                                                    use_kernels=False)
     import logging
 
     report = logging.getLogger("transformers.modeling_utils")  # its load report: the dropped layers are UNEXPECTED
     level = report.level
     report.setLevel(logging.ERROR)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True, dtype=dtype,
+                                                    use_kernels=False)
     finally:
         report.setLevel(level)
 
@@ -331,7 +335,8 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         model = converted_skeleton(root, AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype))
         load_model(model, str(root / "model.safetensors"))
     else:
-        model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype))
+        model = CausalLM(AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype,
+                                                              use_kernels=False))
     return model.to(device=device, dtype=dtype).eval()
 
 

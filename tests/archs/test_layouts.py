@@ -21,6 +21,7 @@ from revffn.errors import UserError
 from revffn.models.tiny_any import tiny_model_for
 from revffn.reports.archs import compare, layout_gaps
 from revffn.reports.check import make_batch
+from tests.conftest import needs_model_types
 
 TOL = 1e-5
 
@@ -48,6 +49,7 @@ def _refusal(hf) -> str:
 
 
 # -- spec fields, each exact and faithful ---------------------------------------------------------------
+@needs_model_types("kolibri1")
 def test_post_norms_kolibri1():
     """attn_post_norm / mlp_post_norm: applied to each sub-block's output, before P_down."""
     hf = tiny_model_for("kolibri1")
@@ -170,6 +172,7 @@ def test_refuses_learnable_residual_weights_doge():
     assert "learnable residual weights" in msg and "Fix:" in msg
 
 
+@needs_model_types("beam")
 def test_refuses_unused_norms_and_modules():
     hf = tiny_model_for("qwen2_moe")
     for layer in hf.model.layers:  # a sandwich norm the qwen2_moe spec does not name

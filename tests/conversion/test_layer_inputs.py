@@ -10,6 +10,7 @@ from revffn.archs.spec import ArchSpec
 from revffn.conversion.convert import RopePlan
 from revffn.errors import UserError
 from revffn.models.tiny_any import tiny_model_for
+from tests.conftest import needs_model_types
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -47,6 +48,7 @@ def test_rope_per_layer_type_none_or_a_dict_for_every_layer():
     assert [b.position_key for b in model.blocks] == list(mimo.config.layer_types)
 
 
+@needs_model_types("bailing_hybrid")
 def test_linear_attention_layers_get_the_2d_padding_mask():
     model = convert(tiny_model_for("bailing_hybrid", stochastic=0.0))
     types = model.config.layer_types
@@ -60,7 +62,8 @@ def test_linear_attention_layers_get_the_2d_padding_mask():
     assert model._context(embeds, torch.ones_like(mask), torch.arange(8)[None]).masks["linear_attention"] is None
 
 
-@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "bailing_hybrid", "deepseek_v32", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=needs_model_types(t)) for t in
+                                        ("mimo_v2_flash", "bailing_hybrid", "deepseek_v32", "qwen2_moe")])
 def test_each_attention_gets_the_position_embeddings_and_mask_hf_gives_it(model_type):
     """Per layer, the token mixer of the converted model receives the same position embeddings and
     attention mask as in the HF model (RoPE per layer type, 2-D mask for linear attention, the

@@ -174,7 +174,8 @@ def test_a_hub_id_is_resolved_once_per_process(cache, monkeypatch, tmp_path):
     where = tmp_path / "snap"
     where.mkdir()
 
-    def fake(repo_id, revision=None, allow_patterns=None):
+    def fake(repo_id, revision=None, allow_patterns=None, local_files_only=False):
+        assert local_files_only  # HF_HUB_OFFLINE=1 (conftest): the cache only, on every huggingface_hub
         calls.append((repo_id, revision, tuple(allow_patterns)))
         return str(where)
 
@@ -189,3 +190,20 @@ def test_a_hub_id_is_resolved_once_per_process(cache, monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(other))
     snapshot("org/once")
     assert len(calls) == 4
+
+
+def test_every_load_turns_hub_kernels_off(monkeypatch):
+    """transformers >= 5.2x defaults `use_kernels` on where `kernels` is installed and a GPU is visible, then fetches
+    kernels from the Hub (fails offline): every revffn load asks for none, whatever the transformers default."""
+    from transformers import AutoModelForCausalLM
+
+    real, asked = AutoModelForCausalLM.from_pretrained, []
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("use_kernels"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    load_hf("builtin:base")
+    load_hf("builtin:base", num_hidden_layers=2)  # the cut-depth route
+    assert asked == [False, False]

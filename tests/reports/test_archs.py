@@ -19,6 +19,7 @@ from revffn import cli
 from revffn.models.tiny_any import dense_model_types, model_families, moe_model_types, stochastic_keys, tiny_config_for
 from revffn.reports.archs import grad_error, run_archs, sweep_one
 from revffn.reports.render.archs import render_markdown, summary
+from tests.conftest import needs_model_types
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "architectures.json"
 
@@ -105,7 +106,12 @@ def test_committed_sweep_holds_the_ratchet():
 @pytest.mark.parametrize("family", ["moe", "dense"])  # one test per family: the two share the workers
 def test_full_sweep_ratchet(family):
     """Every causal-LM type of the family: exact ones (here and in the committed sweep) stay exact, nothing new
-    fails (about 10-15 s a family: the sweep runs on one CPU thread)."""
+    fails (about 10-15 s a family: the sweep runs on one CPU thread). Held on the transformers release the committed
+    sweep ran on: model implementations change between releases (5.17 builds exaone / internlm3 / iquestcoder
+    differently, and inkling_text / qwen3_5_moe_text crash there)."""
+    swept = json.loads(COMMITTED.read_text())["meta_info"]["transformers"]
+    if transformers.__version__ != swept:
+        pytest.skip(f"docs/architectures.json was swept on transformers {swept}, this is {transformers.__version__}")
     data = run_archs([t for t, f in model_families().items() if f == family], timeout=120)
     assert not _check(data["results"]), _check(data["results"])
     assert {r["family"] for r in data["results"]} == {family}
@@ -126,6 +132,7 @@ def test_randomness_under_an_unlisted_key_is_replayed():
     assert all(v["max_rel_grad_error"] <= 1e-5 for v in row["variants"].values()), row["variants"]
 
 
+@needs_model_types("kolibri1")
 def test_fp32_stream_rounding_is_told_apart_by_fp64_streams():
     """kolibri1's post-normed branches are ~50x its tiny embeddings: fp32 streams rebuild X_1 = Y_1 - F(X_2)
     to a ~4e-5 gradient error, fp64 streams exactly. The sweep rechecks such a setting with fp64

@@ -19,8 +19,12 @@ unchanged).
 
 import json
 
-from transformers import AutoConfig, PreTrainedConfig
-from transformers.configuration_utils import SubConfigSpec
+from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
+
+try:  # transformers >= 5.2x declares sub-configs by spec; 5.17 by class (`sub_configs`), see RevFFNConfig
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:
+    SubConfigSpec = None
 
 OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width")  # RevFFN's, beside the base's keys in config.json
 WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
@@ -37,12 +41,24 @@ class RevFFNConfig(PreTrainedConfig):
     """
 
     model_type = "revffn"
-    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen2_moe")}
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="qwen2_moe")}
+    else:
+        sub_configs = {"text_config": AutoConfig}
 
     text_config: dict | PreTrainedConfig | None = None
     stream_dtype: str = "float32"
     adapter_skip: bool = False
     stream_width: str = "half"
+
+    def __post_init__(self, **kwargs):
+        """`text_config` as its own config class (5.17 leaves a dict as a dict; newer ones do this too)."""
+        if isinstance(self.text_config, dict):
+            text = dict(self.text_config)
+            self.text_config = CONFIG_MAPPING[text.pop("model_type", "qwen2_moe")](**text)
+        elif self.text_config is None:
+            self.text_config = CONFIG_MAPPING["qwen2_moe"]()
+        super().__post_init__(**kwargs)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):

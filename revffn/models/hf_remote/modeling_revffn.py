@@ -48,10 +48,14 @@ class RevFFNModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache=None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        """`RevFFNForCausalLM.forward` under HF's names; other HF kwargs (return_dict, ...) are ignored."""
+                use_cache: bool | None = None, logits_to_keep: int = 0, past_key_values=None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """`RevFFNForCausalLM.forward` under HF's names; other HF kwargs (return_dict, ...) are ignored.
+        The KV cache comes and goes as `cache` (transformers >= 5.24) or `past_key_values` (before)."""
         if use_cache is None:
             use_cache = self.config.get_text_config().use_cache
         out = self.revffn(input_ids, attention_mask=attention_mask, labels=labels, position_ids=position_ids,
-                          logits_to_keep=logits_to_keep, cache=cache, use_cache=bool(use_cache))
-        return CausalLMOutputWithPast(loss=out.loss, logits=out.logits, cache=out.cache)
+                          logits_to_keep=logits_to_keep, cache=cache if cache is not None else past_key_values,
+                          use_cache=bool(use_cache))
+        name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+        return CausalLMOutputWithPast(loss=out.loss, logits=out.logits, **{name: out.cache})

@@ -43,6 +43,9 @@ from revffn.reports.workers.bench import LiveSavedTensorLog, _state_bytes, _tens
 from revffn.training.setup import pick_device
 
 PEERS = {"hf-trainer": "transformers.Trainer", "trl-sft": "trl.SFTTrainer"}
+# TrainingArguments' checkpointing switch: `activation_checkpointing` since transformers 5.2x, `gradient_...` in 5.17
+CKPT_ARGS = next(k for k in ("activation_checkpointing", "gradient_checkpointing")
+                 if k in TrainingArguments.__dataclass_fields__)
 LIKE = {False: "full", True: "ckpt"}  # the revffn method each peer run is the same training as (its estimate)
 
 
@@ -134,8 +137,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
             output_dir=out, per_device_train_batch_size=B, max_steps=steps + 1, learning_rate=cfg.learning_rate,
             weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, optim="adamw_torch",
             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-            activation_checkpointing=checkpointing,
-            activation_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+            **{CKPT_ARGS: checkpointing, f"{CKPT_ARGS}_kwargs": {"use_reentrant": False} if checkpointing else None},
             use_cpu=device.type == "cpu", bf16=autocast_dtype is torch.bfloat16, dataloader_num_workers=0,
             seed=cfg.seed, remove_unused_columns=False)
         tokenizer = model_tokenizer(cfg.model, cfg.tokenizer) if peer == "trl-sft" else None
