@@ -156,8 +156,8 @@ def cmd_study(args) -> int:
             check_model_ref(args.base, "--base")
             resolve_model_ref(args.base, "--base")
         seeds = tuple(range(args.seeds)) if args.seeds else None
-        plan = plan_for(args.quick, args.base, methods=methods, jobs=args.jobs, threads=args.threads,
-                        steps=args.steps, seeds=seeds)
+        plan = plan_for(args.quick, args.base, heal_steps=args.heal_steps or 0, methods=methods, jobs=args.jobs,
+                        threads=args.threads, steps=args.steps, seeds=seeds)
         data = run_study(plan, out, args.argv)
         written = write_study(data, out, docs)
         failed = [r["name"] for r in data["runs"] if r["status"] != "ok"]
@@ -449,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "300 on builtin:base, 60 on a real base)")
     q.add_argument("--seeds", type=_positive, default=None, help="seeds per method at its chosen LR (default 2 on "
                    "builtin:base, 3 on a real base)")
+    q.add_argument("--heal-steps", type=_positive, default=None, help="a real base only: heal the study's one "
+                   "conversion this many steps on the calibration text at lr 1e-4 before every RevFFN run (default: "
+                   "none, the CPU budget; a GPU affords 400: docs/conversion.md)")
     q.add_argument("--quick", action="store_true", help="tiny smoke version (< 1 min): 2 steps, one task, one seed")
     q.add_argument("--docs", default=None, metavar="PATH", help="also write the report to PATH (e.g. docs/study.md)")
     q.add_argument("--methods", default=None, help="comma-separated subset of the study's methods (default: every "

@@ -4,7 +4,8 @@
 #      `coordinate` and the calibrated variants, and two HEAL_STEPS-step heals measured on builtin:pydoc_text along
 #      the way (the defaults: calibrated on builtin:stdlib_text, healed on `self` at --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
 #      each with its knowledge probes (builtin:smollm2_probes, containment) and tokens-to-target (base + 0.2 nats);
-#   2. `revffn study --base builtin:smollm2` with a GPU budget (STUDY_STEPS optimizer steps a run, 3 seeds).
+#   2. `revffn study --base builtin:smollm2` with a GPU budget: STUDY_STEPS optimizer steps a run, 3 seeds, its one
+#      conversion healed STUDY_HEAL steps (`--heal-steps`), JOBS runs at once on the one GPU.
 # Each part is sized for one device command of at most 10 minutes on an H100/H200 (PART=gap, PART=study; the
 # default, all, runs both in turn). Results (gap/conversion_smollm2_moe.json, the study's study.json/md/png, the
 # log) go to $OUT if set, else runs/gpu_real. Back here:
@@ -25,9 +26,10 @@ cd "$ROOT"
 
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
+STUDY_HEAL="${STUDY_HEAL:-400}"; JOBS="${JOBS:-3}"
 PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
-  MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2
+  MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; STUDY_HEAL=2; JOBS=1
 fi
 NAME=gpu_real
 source "$ROOT/scripts/gpu_common.sh"  # DEST, LOG, PY, log(); the package importable; the packages and the GPU, or exit 2
@@ -51,8 +53,9 @@ fi
 # -- 2. the quality study on the dense real base, GPU budget ---------------------------------------------------
 if [ "$PART" = all ] || [ "$PART" = study ]; then
 rm -rf "$DEST/study"
-log "revffn study --base $DENSE --steps $STUDY_STEPS ${QUICK[*]+${QUICK[*]}}"
-timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
+log "revffn study --base $DENSE --steps $STUDY_STEPS --heal-steps $STUDY_HEAL --jobs $JOBS ${QUICK[*]+${QUICK[*]}}"
+timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" --heal-steps "$STUDY_HEAL" --jobs "$JOBS" \
+  ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
   2>&1 | tee -a "$LOG" >/dev/null
 rc=${PIPESTATUS[0]}
 log "study exit code $rc"

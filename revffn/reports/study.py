@@ -87,6 +87,9 @@ class StudyBase:
 REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-5, 3e-5),
                 "lora": (3e-4, 1e-3), "dora": (3e-4, 1e-3), "refta": (3e-4, 1e-3)}
 REAL_CONVERT = ("--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens", "16384")
+# `--heal-steps N` (a GPU budget): that conversion also healed N steps on the same text at lr 1e-4, the variant that
+# reached base + 0.28 nats in 400 steps on one H200 (docs/conversion.md, "The first GPU figure")
+REAL_HEAL = ("--heal-data", "builtin:pydoc_calibration", "--heal-lr", "1e-4")
 
 
 def real_base(model: str) -> StudyBase:
@@ -354,9 +357,10 @@ def convert_once(plan: StudyPlan, out: Path, log=print) -> dict | None:
         made = manifest.get("convert", {})
         want = {"converted_from": plan.base.model,
                 "calibration_data": flags.get("--calibration-data", DEFAULT_CALIBRATION),
-                "calibration_tokens": int(flags.get("--calibration-tokens", 32768))}
+                "calibration_tokens": int(flags.get("--calibration-tokens", 32768)),
+                "heal_steps": int(flags.get("--heal-steps", 0))}
         have = {"converted_from": manifest.get("converted_from"), "calibration_data": made.get("calibration_data"),
-                "calibration_tokens": made.get("calibration_tokens")}
+                "calibration_tokens": made.get("calibration_tokens"), "heal_steps": made.get("heal_steps", 0)}
         if have != want:
             raise UserError(f"--out: {dest} holds a conversion this study did not ask for ({have}; this study: "
                             f"{want}). Nothing was run. Fix: delete {dest}, or give a new --out.")
@@ -425,14 +429,23 @@ def run_study(plan: StudyPlan, out: Path, argv: list[str] | None = None, log=pri
     }
 
 
-def plan_for(quick: bool, base: str | None = None, **overrides) -> StudyPlan:
+def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overrides) -> StudyPlan:
     """The full or the quick plan (on `base`: a real model's plan, `real_plan`), with the CLI's overrides
-    (methods, jobs, threads, steps, seeds; None: keep)."""
-    plan = quick_plan() if quick else real_plan(base) if base and base != StudyBase.model else StudyPlan()
-    if quick and base and base != StudyBase.model:  # the smoke version on the real base: little calibration text
-        real = real_base(base)
-        plan = replace(plan, base=replace(real, convert=(*real.convert[:-1], "1024")), methods=real_plan(base).methods,
+    (methods, jobs, threads, steps, seeds; None: keep). `heal_steps`: the real base's one conversion is also
+    healed that many steps (`REAL_HEAL`)."""
+    real = base and base != StudyBase.model
+    if heal_steps and not real:
+        raise UserError("--heal-steps: only a real base's study converts once (--base builtin:smollm2 or "
+                        "builtin:smollm2-moe); builtin:base's RevFFN heals in each run. Fix: drop --heal-steps or "
+                        "give --base.")
+    plan = quick_plan() if quick else real_plan(base) if real else StudyPlan()
+    if quick and real:  # the smoke version on the real base: little calibration text
+        rb = real_base(base)
+        plan = replace(plan, base=replace(rb, convert=(*rb.convert[:-1], "1024")), methods=real_plan(base).methods,
                        max_seq_length=64, retention_limit=4, probe_limit=4)
+    if heal_steps:
+        plan = replace(plan, base=replace(plan.base, convert=(*plan.base.convert, "--heal-steps", str(heal_steps),
+                                                              *REAL_HEAL)))
     unknown = [m for m in overrides.get("methods") or () if m not in plan.lr_grid]
     if unknown:
         raise UserError(f"--methods: {', '.join(map(repr, unknown))} not in the study. Fix: choose from "

@@ -136,6 +136,10 @@ def test_markdown_renders_from_json_alone(tmp_path):
     md = study_markdown(data)
     assert "| gsm | full | 0.0001 (0.0003, 0.001) | 50.0 | 2.000 | +0.000 |" in md
     assert (tmp_path / "study_accuracy.png").exists() and not (tmp_path / "study_gap.png").exists()
+    docs = tmp_path / "docs"  # the docs page, then re-rendered from the docs' own copy of the study (`--render`)
+    write_study(data, tmp_path, docs / "page.md")
+    assert write_study(data, docs / "page", docs / "page.md")[-1] == str(docs / "page.md")
+    assert "![study_accuracy.png](page/study_accuracy.png)" in (docs / "page.md").read_text()
 
 
 def test_plan_derives_from_the_registry_and_validates_methods():
@@ -214,7 +218,8 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
         out.mkdir(parents=True)
         manifest = json.dumps({"format": "revffn", "converted_from": cmd[4], "convert": {
             "calibration_data": cmd[cmd.index("--calibration-data") + 1],
-            "calibration_tokens": int(cmd[cmd.index("--calibration-tokens") + 1])}})
+            "calibration_tokens": int(cmd[cmd.index("--calibration-tokens") + 1]),
+            "heal_steps": int(cmd[cmd.index("--heal-steps") + 1]) if "--heal-steps" in cmd else 0}})
         (out / "revffn.json").write_text(manifest)
         return subprocess.CompletedProcess(cmd, 0, manifest + "\n", "")
 
@@ -229,10 +234,18 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
     assert first["manifest"]["converted_from"] == "builtin:smollm2" and again["reused"]
     assert study.convert_once(replace(plan, methods=("full", "lora")), tmp_path / "none") is None
     # a conversion left by a study of another base (or a --quick one): refused, not silently reused
-    for other in (plan_for(False, "builtin:smollm2-moe"), plan_for(True, "builtin:smollm2")):
+    for other in (plan_for(False, "builtin:smollm2-moe"), plan_for(True, "builtin:smollm2"),
+                  plan_for(False, "builtin:smollm2", heal_steps=400)):  # nor an unhealed one for a healed study
         with pytest.raises(UserError, match="holds a conversion this study did not ask for.*Fix: delete"):
             study.convert_once(other, tmp_path, log=lambda *_: None)
     assert len(calls) == 1
+    # `--heal-steps N` (a GPU budget): the one conversion also heals N steps on the calibration text at lr 1e-4
+    healed = study.convert_once(plan_for(False, "builtin:smollm2", heal_steps=400), tmp_path / "h", log=print)
+    assert calls[1][calls[1].index("--heal-steps"):][:6] == ["--heal-steps", "400", "--heal-data",
+                                                             "builtin:pydoc_calibration", "--heal-lr", "1e-4"]
+    assert healed["manifest"]["convert"]["heal_steps"] == 400
+    with pytest.raises(UserError, match="^--heal-steps: only a real base"):
+        plan_for(False, None, heal_steps=10)
 
 
 def test_probes_render_and_enter_the_goal_check(tmp_path):

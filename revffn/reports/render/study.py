@@ -239,10 +239,11 @@ def write_study(data: dict, out_dir: Path, docs: Path | None = None) -> list[str
     if docs is not None:
         assets = docs.parent / docs.stem
         assets.mkdir(parents=True, exist_ok=True)
-        for p in PLOTS:
-            if (out_dir / p).exists():
-                shutil.copy(out_dir / p, assets / p)
-        shutil.copy(out_dir / "study.json", assets / "study.json")
+        if assets.resolve() != out_dir.resolve():  # rendering the docs' own copy (`--out docs/x --docs docs/x.md`)
+            for p in PLOTS:
+                if (out_dir / p).exists():
+                    shutil.copy(out_dir / p, assets / p)
+            shutil.copy(out_dir / "study.json", assets / "study.json")
         docs.write_text(study_markdown(data, plot_prefix=f"{assets.name}/"))
         written.append(str(docs))
     return written
