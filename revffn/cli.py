@@ -157,7 +157,7 @@ def cmd_study(args) -> int:
             resolve_model_ref(args.base, "--base")
         seeds = tuple(range(args.seeds)) if args.seeds else None
         plan = plan_for(args.quick, args.base, heal_steps=args.heal_steps or 0, methods=methods, jobs=args.jobs,
-                        threads=args.threads, steps=args.steps, seeds=seeds)
+                        threads=args.threads, steps=args.steps, seeds=seeds, sets=args.set, lr_grids=args.lr_grid)
         data = run_study(plan, out, args.argv)
         written = write_study(data, out, docs)
         failed = [r["name"] for r in data["runs"] if r["status"] != "ok"]
@@ -452,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--heal-steps", type=_positive, default=None, help="a real base only: heal the study's one "
                    "conversion this many steps on the calibration text at lr 1e-4 before every RevFFN run (default: "
                    "none, the CPU budget; a GPU affords 400: docs/conversion.md)")
+    q.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE", help="a method's option in "
+                   "every run of it (repeatable), e.g. revffn.train_adapters=false")
+    q.add_argument("--lr-grid", action="append", default=[], metavar="METHOD=LR,LR", help="the LRs a method's is "
+                   "chosen from (repeatable), e.g. revffn=1e-4,3e-4")
     q.add_argument("--quick", action="store_true", help="tiny smoke version (< 1 min): 2 steps, one task, one seed")
     q.add_argument("--docs", default=None, metavar="PATH", help="also write the report to PATH (e.g. docs/study.md)")
     q.add_argument("--methods", default=None, help="comma-separated subset of the study's methods (default: every "

@@ -249,13 +249,37 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "2048 and cost 4-5 % of the tokens/s; no chunk size meets both crossover goals (<= 0.80x memory, "
               ">= 0.85x tokens/s), so the default stays 4096 (on a GPU an MoE chunk of 1024 tokens also leaves "
               "each expert few rows).",
-              "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports: it "
-              "includes what glibc's allocator keeps after frees, library code paged in while running, and "
-              "transient buffers, so it sits above the estimate's held-tensor total. Most of the gap is the "
-              "allocator: with `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0` (large blocks returned "
-              "on free; about 2x slower) the same 16-layer runs peaked at full 1008, ckpt 667, revffn 418 MiB "
-              "(estimates 1088, 424, 432). On CUDA the bench reports `torch.cuda.max_memory_allocated` (and "
-              "reserved).",
+              "- Stop 42 measured the chunk sizes once more at seq 2048 with the adapters folded, 3 timed steps, "
+              "one thread, nothing else running (`revffn bench --model tiny-qwen2-moe --methods "
+              "revffn,revffn:revffn.recompute_chunk_tokens=2048,revffn:revffn.recompute_chunk_tokens=1024 --set "
+              "revffn.adapter_init=coordinate --hidden 256 --batch 4 --layers 16 --steps 3 --seq 2048 --peers "
+              "hf-trainer+ckpt --threads 1 --out runs/bench_chunks_2048`): against the peer's checkpointing (630.4 "
+              "MiB, 276 tokens/s), chunks of 4096 (the default) 538.3 MiB and 248 tokens/s (**0.85x, 0.90x**), of "
+              "2048 489.3 MiB and 251 (**0.78x, 0.91x**), of 1024 474.9 MiB and 257 (**0.75x, 0.93x**). On the CPU "
+              "smaller chunks cost no speed in this run and the last one (bench_fold: 0.95x at 1024), against 4-5 %"
+              " in bench_chunks: 2048 and 1024 meet both seq-2048 crossover goals. The default is still 4096: every"
+              " committed bench page and estimate above was made with it, and the GPU cost of smaller expert "
+              "batches is not measured (no GPU lent); `revffn.recompute_chunk_tokens=2048` is the setting to use on"
+              " a CPU or wherever memory is tight.",
+              "- Stop 43: the adapters frozen in stage 2 (`revffn.train_adapters=false`, docs/conversion.md: on "
+              "SmolLM2 it forgets far less) at this profile, one thread, a study job beside it (`revffn bench "
+              "--model tiny-qwen2-moe --methods ckpt,revffn,revffn:revffn.train_adapters=false --peers hf-trainer "
+              "--layers 16 --hidden 256 --batch 4 --seq 512 --steps 3 --threads 1`): RevFFN 435.9 MiB, frozen "
+              "411.5, against the peer's checkpointing 392.3 (**1.11x, 1.05x**); static 336.4 and 312.4 MiB against"
+              " 304.8 (the frozen adapters' weights remain, their gradients and AdamW moments go); tokens/s 343 and"
+              " 320 against 314. Not yet <= 1.00x: above its static bytes RevFFN's peak is 99 MiB against the "
+              "peer's 88, though it saves 8.3 MiB for backward against 55.",
+              "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports (since "
+              "stop 41 the peak over the steps only: the kernel's high-water mark is reset once the model is built,"
+              " `peak_since: built` in bench.json, as CUDA's peak is; before, a small model's figure could be its "
+              "start-up's: `revffn bench --model builtin:base --methods revffn,revffn:revffn.distill_coef=1 --peers"
+              " hf-trainer --batch 8 --seq 128 --steps 2 --threads 1` read 377.4 and 377.9 MiB, the calibration's "
+              "peak, and now reads 162.8 and 190.2 MiB, the frozen teacher copy showing): it includes what glibc's "
+              "allocator keeps after frees, library code paged in while running, and transient buffers, so it sits "
+              "above the estimate's held-tensor total. Most of the gap is the allocator: with "
+              "`MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0` (large blocks returned on free; about 2x "
+              "slower) the same 16-layer runs peaked at full 1008, ckpt 667, revffn 418 MiB (estimates 1088, 424, "
+              "432). On CUDA the bench reports `torch.cuda.max_memory_allocated` (and reserved).",
               "- *saved for backward* is what autograd holds after one forward (parameters excluded, unique "
               "storages); revffn's routing records (one byte per token, choice and MoE layer) are listed apart. "
               "The `(est.)` values are `revffn estimate` for the same configuration.",
@@ -265,7 +289,15 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "still). Small models on CPU are dominated by per-op overhead.",
               "- GPU: `scripts/gpu_bench.sh` runs `revffn check` (bf16) and this bench for full, ckpt and revffn "
               "at the Qwen1.5-MoE-A2.7B geometry (random init, 8 of 24 layers, batch 4 x 1024, bf16) in about 5 "
-              "minutes; no GPU was available to the session that produced this page, so no GPU numbers appear.",
+              "minutes. Its one partial run so far (one H200, transformers 5.17.0, torch 2.11, 4 layers, full/ckpt/"
+              "revffn; log and check.json in [gpu_bench/](gpu_bench/)): `revffn check` passed in bf16 at the real "
+              "width "
+              "(2 layers: reconstruction error 7.5e-8, max relative gradient error 3.7e-6 against the plain twin, "
+              "saved-tensor bytes 1.07 MB against 24.8 MB); the 1-GPU `torchrun` smoke runs (NCCL) finished for ddp "
+              "and fsdp; **the bench step failed at once** (`unknown model 'qwen1.5-moe-a2.7b'`: the calibration-text "
+              "check refused config-only geometries, a regression of the real-text default, since fixed and tested "
+              "by `test_sweep_over_layers_on_a_config_only_preset`, not rerun on a GPU), so no GPU bench numbers "
+              "appear yet.",
               ""]
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@
 #
 #   bash scripts/gpu_real.sh
 #   HEAL_STEPS=800 STUDY_STEPS=500 bash scripts/gpu_real.sh
+#   PART=study STUDY_ARGS="--set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4" bash scripts/gpu_real.sh
 #   PART=gap bash scripts/gpu_real.sh; PART=study bash scripts/gpu_real.sh   # one part a command
 #   TINY=1 bash scripts/gpu_real.sh     # the same commands on the dense builtin:smollm2 on the CPU: two table rows at
 #                                       # 1024 tokens, the smoke study (checks the script)
@@ -27,6 +28,7 @@ cd "$ROOT"
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
 STUDY_HEAL="${STUDY_HEAL:-400}"; JOBS="${JOBS:-3}"
+read -r -a STUDY_ARGS <<<"${STUDY_ARGS:-}"  # more study flags, e.g. "--set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4"
 PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
   MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; STUDY_HEAL=2; JOBS=1
@@ -53,9 +55,9 @@ fi
 # -- 2. the quality study on the dense real base, GPU budget ---------------------------------------------------
 if [ "$PART" = all ] || [ "$PART" = study ]; then
 rm -rf "$DEST/study"
-log "revffn study --base $DENSE --steps $STUDY_STEPS --heal-steps $STUDY_HEAL --jobs $JOBS ${QUICK[*]+${QUICK[*]}}"
+log "revffn study --base $DENSE --steps $STUDY_STEPS --heal-steps $STUDY_HEAL --jobs $JOBS ${STUDY_ARGS[*]} ${QUICK[*]+${QUICK[*]}}"
 timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" --heal-steps "$STUDY_HEAL" --jobs "$JOBS" \
-  ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
+  ${STUDY_ARGS[@]+"${STUDY_ARGS[@]}"} ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
   2>&1 | tee -a "$LOG" >/dev/null
 rc=${PIPESTATUS[0]}
 log "study exit code $rc"

@@ -63,6 +63,9 @@ class RevFFNMethod(Method):
                                     "at most max_steps - 1), instead of adapter_warmup_steps; null: the steps",
                                     min=0.0, max=1.0),
         "freeze_router": Key(bool, True, "stage 2: keep the MoE routers frozen"),
+        "train_adapters": Key(bool, True, "stage 2: train the adapters (the skips, and P_down where not folded) with "
+                              "the model; false: keep them as calibrated / healed, with no gradients or optimizer "
+                              "states (on SmolLM2 it forgets far less at the same task score: docs/conversion.md)"),
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
@@ -101,7 +104,7 @@ class RevFFNMethod(Method):
                                       "one chunk's (0: the whole batch; a branch that draws random numbers is "
                                       "recomputed whole)", min=0),
     }
-    ESTIMATE_KEYS = ("freeze_router", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
+    ESTIMATE_KEYS = ("freeze_router", "train_adapters", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
                      "distill_teacher", "recompute_chunk_tokens", "fold_adapters")
     ESTIMATE_OPTIONS = {
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
@@ -332,6 +335,9 @@ class RevFFNMethod(Method):
         stage = self.stage(step)
         if stage == "joint":
             params = self.optimizer_parameters(model)
+            if not self.opts["train_adapters"]:  # they keep their stage-1 optimizer states, unused from here
+                adapters = {id(p) for p in model.adapter_parameters()}
+                params = [p for p in params if id(p) not in adapters]
         else:
             params = [*model.adapter_parameters(), *(norm_parameters(model) if self.opts["heal_norms"] else ())]
         set_requires_grad(model, {id(p) for p in params})
@@ -417,7 +423,8 @@ class RevFFNMethod(Method):
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
     def memory_terms(cls, ctx: MemoryContext, freeze_router: bool, stage: int, stream_dtype: str,
-                     adapter_skip: bool = True, distill_coef: float = 0.0, distill_teacher: str = "copy",
+                     train_adapters: bool = True, adapter_skip: bool = True, distill_coef: float = 0.0,
+                     distill_teacher: str = "copy",
                      recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full",
                      fold_adapters: bool = True) -> MemoryTerms:
         """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
@@ -441,7 +448,8 @@ class RevFFNMethod(Method):
         # stage 2 at full width with fold_adapters: P_down is folded into the layers (assumed of every layer)
         folded = stage == 2 and fold_adapters and stream_width == "full"
         adapters = (0 if folded else counts["adapters_revffn"]) + (skips if adapter_skip else 0)
-        trainable = adapters if stage == 1 else counts["total"] + adapters - (counts["router"] if freeze_router else 0)
+        trainable = adapters if stage == 1 else counts["total"] + (adapters if train_adapters else 0) - (
+            counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4  # load-balancing surrogate on the trainable router
         # per branch: P_up's input (a d/2 half; full width has no P_up) and P_down's (d-wide)
         extra = (N * (m.d // 2) * s if stream_width == "half" else 0) + (0 if folded else N * m.d * s)
@@ -450,7 +458,7 @@ class RevFFNMethod(Method):
         working = max(int((ctx.layers[i] - ctx.ffn[i] + extra) * f_chunk)
                       + int((ctx.ffn[i] + extra + aux * m.moe[i]) * chunk) for i in range(m.layers))
         state = "stage 1: adapters only trainable" if stage == 1 else (
-            "router frozen" if freeze_router else "router trainable")
+            "router frozen" if freeze_router else "router trainable") + ("" if train_adapters else ", adapters frozen")
         fit_in = m.d + (w if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
         accumulators = 8 * (fit_in * fit_in + fit_in * w + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
         width = "d/2" if stream_width == "half" else "d"

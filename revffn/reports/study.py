@@ -450,4 +450,44 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
     if unknown:
         raise UserError(f"--methods: {', '.join(map(repr, unknown))} not in the study. Fix: choose from "
                         f"{', '.join(plan.methods)} (a method joins the study by declaring STUDY_LR_GRID).")
+    sets, grids = overrides.pop("sets", None) or (), overrides.pop("lr_grids", None) or ()
+    if sets:
+        plan = replace(plan, overrides=method_sets(plan, sets))
+    if grids:
+        plan = replace(plan, lr_grid={**plan.lr_grid, **lr_grids(plan, grids)})
     return replace(plan, **{k: v for k, v in overrides.items() if v})
+
+
+def method_sets(plan: StudyPlan, sets: list[str]) -> dict[str, dict]:
+    """`--set METHOD.KEY=VALUE` (repeatable, the value as YAML) on top of `plan.overrides`, each key checked
+    against the method's SCHEMA."""
+    import yaml
+
+    out = {m: dict(o) for m, o in plan.overrides.items()}
+    for item in sets:
+        name, eq, value = item.partition("=")
+        method, dot, key = name.partition(".")
+        if not eq or not dot or method not in plan.lr_grid:
+            raise UserError(f"--set {item!r}: expected METHOD.KEY=VALUE with METHOD one of the study's "
+                            f"({', '.join(plan.lr_grid)}). Fix: e.g. --set revffn.train_adapters=false.")
+        if key not in _method(method).SCHEMA:
+            raise UserError(f"--set {item!r}: {method} has no option {key!r}. Fix: one of "
+                            f"{', '.join(sorted(_method(method).SCHEMA))}.")
+        out.setdefault(method, {})[key] = yaml.safe_load(value)
+    return out
+
+
+def lr_grids(plan: StudyPlan, grids: list[str]) -> dict[str, tuple[float, ...]]:
+    """`--lr-grid METHOD=LR,LR,...` (repeatable): the LRs the study chooses METHOD's from."""
+    out = {}
+    for item in grids:
+        method, eq, values = item.partition("=")
+        try:
+            lrs = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            lrs = ()
+        if not eq or method not in plan.lr_grid or not lrs or min(lrs) <= 0:
+            raise UserError(f"--lr-grid {item!r}: expected METHOD=LR[,LR...] with METHOD one of the study's "
+                            f"({', '.join(plan.lr_grid)}) and positive LRs. Fix: e.g. --lr-grid revffn=1e-4,3e-4.")
+        out[method] = lrs
+    return out

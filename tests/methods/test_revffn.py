@@ -63,6 +63,25 @@ def test_heal_step_is_kl_to_the_unconverted_model_and_trains_only_adapters():
     assert not torch.equal(method.step_batches(model, 1, [batch()])[0]["input_ids"], mb["input_ids"])
 
 
+def test_frozen_adapters_heal_in_stage_1_and_stay_put_in_stage_2():
+    """revffn.train_adapters=false: stage 1 trains the adapters, stage 2 everything else (the routers frozen)
+    but not them; with the default (true) stage 2 moves them too."""
+    for train in (False, True):
+        _, run = _run("revffn.adapter_warmup_steps=1", "revffn.fold_adapters=false",
+                      f"revffn.train_adapters={str(train).lower()}")
+        model = run.model
+        adapters = {n for n, p in model.named_parameters() if id(p) in {id(q) for q in model.adapter_parameters()}}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert train_step(run, 0, [batch(vocab=500)]).stage == "heal"
+        healed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+        assert healed and healed <= adapters
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert train_step(run, 1, [batch(vocab=500)]).stage == "joint"
+        moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+        assert moved - adapters  # the model trains either way
+        assert (moved & adapters == adapters) if train else not moved & adapters
+
+
 def test_task_warmup_keeps_the_task_batches():
     _, run = _run("revffn.adapter_warmup_steps=2", "revffn.heal_data=task")
     task = [batch(vocab=500)]

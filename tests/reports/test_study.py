@@ -209,6 +209,22 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     assert "revffn" not in worker.train_config(full, tmp_path / "f")
 
 
+def test_set_and_lr_grid_reach_the_runs(tmp_path):
+    """`--set METHOD.KEY=VALUE` lands in every run of the method, `--lr-grid` replaces its grid; bad ones are
+    one-line errors naming the flag."""
+    plan = plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=false", "lora.r=4"],
+                    lr_grids=["revffn=1e-4,3e-4"])
+    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": False}
+    assert plan.lr_grid["revffn"] == (1e-4, 3e-4) and plan.lr_grid["full"] == (1e-5, 3e-5)
+    job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-4, eval_val=False)
+    assert job["options"]["train_adapters"] is False and plan.options("lora")["r"] == 4
+    for bad, flag in ((dict(sets=["revffn.train_adapter=false"]), "--set"), (dict(sets=["revffn=1"]), "--set"),
+                      (dict(sets=["nope.r=1"]), "--set"), (dict(lr_grids=["revffn=fast"]), "--lr-grid"),
+                      (dict(lr_grids=["revffn=0"]), "--lr-grid")):
+        with pytest.raises(UserError, match=f"^{flag} .*Fix: "):
+            plan_for(False, "builtin:smollm2", **bad)
+
+
 def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
     calls = []
 
