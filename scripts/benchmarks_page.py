@@ -261,7 +261,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               " committed bench page and estimate above was made with it, and the GPU cost of smaller expert "
               "batches is not measured (no GPU lent); `revffn.recompute_chunk_tokens=2048` is the setting to use on"
               " a CPU or wherever memory is tight.",
-              "- Stop 43: the adapters frozen in stage 2 (`revffn.train_adapters=false`, docs/conversion.md: on "
+              "- Every revffn row on this page trained its adapters in stage 2 (`revffn.train_adapters=true`, the "
+              "default until stop 43; add `--set revffn.train_adapters=true` to the commands above to measure the "
+              "same). Stop 43: the adapters frozen in stage 2 (`revffn.train_adapters=false`, the default now; "
+              "docs/conversion.md: on "
               "SmolLM2 it forgets far less) at this profile, one thread, a study job beside it (`revffn bench "
               "--model tiny-qwen2-moe --methods ckpt,revffn,revffn:revffn.train_adapters=false --peers hf-trainer "
               "--layers 16 --hidden 256 --batch 4 --seq 512 --steps 3 --threads 1`): RevFFN 435.9 MiB, frozen "

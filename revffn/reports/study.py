@@ -93,8 +93,10 @@ REAL_HEAL = ("--heal-data", "builtin:pydoc_calibration", "--heal-lr", "1e-4")
 
 
 def real_base(model: str) -> StudyBase:
+    # the adapters trained in stage 2, as in the committed studies (train_adapters was the default then); frozen, the
+    # default now, they want a higher LR here: --set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4
     return StudyBase(model, "builtin:pydoc_text", "builtin:smollm2_probes", REAL_CONVERT,
-                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True}})
+                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}})
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,11 @@ def test_revffn_cheaper_than_full_at_scale():
         full, rev = (estimate(config, m, 8, 2048, dtype) for m in ("full", "revffn"))
         assert rev["total"] < full["total"]
         assert rev["total_params"] > full["total_params"]  # + the adapters
-        assert rev["trainable_params"] == rev["total_params"] - count_params(config)["router"]
+        counts = count_params(config)  # stage 2 trains the model less its routers; the adapters stay frozen
+        assert rev["trainable_params"] == counts["total"] - counts["router"]
+        trained = estimate(config, "revffn", 8, 2048, dtype, train_adapters=True)  # or train with it
+        assert trained["trainable_params"] == rev["total_params"] - counts["router"]
+        assert trained["total"] > rev["total"]
         records = rev["routing_records"]
         assert records == 24 * 8 * 2048 * 4  # uint8 per token and choice, per MoE layer
         assert full["total"] == sum(full[k] for k in ("weights", "grads", "optimizer_states", "activations",

@@ -59,8 +59,11 @@ def test_fsdp_per_gpu_and_the_gpus_needed(capsys):
     for word in ("per GPU (distributed fsdp, world size 8)", "gathered_params", "unsharded_grads",
                  "fsdp: fits on 6 or more GPUs of 80GB", "GPUs"):
         assert word in out, word
-    # full-width streams (the default): 6 GPUs with stage 2's P_down folded into the layers (the default), 7 without
-    for option, gpus in (([], 6), (["--option", "fold_adapters=false"], 7)):
+    # full-width streams (the default): 6 GPUs; with the adapters trained in stage 2, 6 with P_down folded into the
+    # layers (the default), 7 without (frozen, an unfolded P_down has no gradient or optimizer state)
+    trained = ["--option", "train_adapters=true"]
+    for option, gpus in (([], 6), (["--option", "fold_adapters=false"], 6), (trained, 6),
+                         ([*trained, "--option", "fold_adapters=false"], 7)):
         assert cli.main([*argv, *option, "--json"]) == 0
         est = json.loads(capsys.readouterr().out)
         assert (est["world_size"], est["distributed"], est["gpus_needed"]) == (8, "fsdp", gpus)

@@ -52,7 +52,7 @@ def test_quick_study_runs_every_method_and_writes_the_report(quick):
     assert gap[0]["converted_init"] > 0 and gap[0]["after_stage1"] is None  # quick: no eval at the boundary
     assert data["method_options"] == {"revffn": {"adapter_warmup_steps": 1, "freeze_router": True,
                                                  "stream_width": "half", "calibration_tokens": 1024,
-                                                 "calibration_data": "self"}}
+                                                 "calibration_data": "self", "train_adapters": True}}
     yaml_text = (quick / "out" / "runs" / "revffn-commas-s0-lr0.0001.yaml").read_text()
     assert "revffn:\n  adapter_warmup_steps: 1\n" in yaml_text
     md = (quick / "docs" / "study.md").read_text()
@@ -147,7 +147,7 @@ def test_plan_derives_from_the_registry_and_validates_methods():
     assert plan.methods == ("full", "revffn", "lora", "dora", "hift", "refta")  # ckpt: no grid (its grads are full's)
     assert plan.lr_grid["revffn"] == (3e-4, 1e-3) and plan.lr_grid["refta"] == (1e-3, 3e-3)
     assert plan.options("revffn") == {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
-                                      "calibration_data": "self"}
+                                      "calibration_data": "self", "train_adapters": True}  # as the pages ran
     assert plan.options("lora") == {}
     assert plan_for(True, methods=("full", "lora")).methods == ("full", "lora")
     with pytest.raises(Exception, match="'ckpt', 'fulll' not in the study"):
@@ -196,7 +196,7 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     assert plan.methods == ("full", "lora", "revffn") and plan.seeds == (0, 1, 2) and plan.tasks == ("commas",)
     assert plan.base.retention_data == "builtin:pydoc_text" and plan.base.probes == "builtin:smollm2_probes"
     assert plan.lr_grid["full"] == (1e-5, 3e-5) and plan.lr_grid["lora"] == (3e-4, 1e-3)
-    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True}
+    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}
     assert plan.converts_once("revffn") and not plan.converts_once("full")
     assert plan_for(False, "builtin:smollm2", steps=500, seeds=(0, 1, 2, 3)).steps == 500
     assert not StudyPlan().converts_once("revffn")  # builtin:base: each run converts at prepare, as before
