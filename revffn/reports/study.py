@@ -47,6 +47,7 @@ from pathlib import Path
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import UserError
 from revffn.progress import progress
+from revffn.schema import check_value, coerce
 
 WORKER_MODULE = "revffn.reports.workers.study"
 
@@ -472,10 +473,14 @@ def method_sets(plan: StudyPlan, sets: list[str]) -> dict[str, dict]:
         if not eq or not dot or method not in plan.lr_grid:
             raise UserError(f"--set {item!r}: expected METHOD.KEY=VALUE with METHOD one of the study's "
                             f"({', '.join(plan.lr_grid)}). Fix: e.g. --set revffn.train_adapters=false.")
-        if key not in _method(method).SCHEMA:
+        schema = _method(method).SCHEMA
+        if key not in schema:
             raise UserError(f"--set {item!r}: {method} has no option {key!r}. Fix: one of "
-                            f"{', '.join(sorted(_method(method).SCHEMA))}.")
-        out.setdefault(method, {})[key] = yaml.safe_load(value)
+                            f"{', '.join(sorted(schema))}.")
+        parsed = coerce(yaml.safe_load(value), schema[key])  # checked here, as the config would, not in a worker
+        if problem := check_value(name, parsed, schema[key]):
+            raise UserError(f"--set {problem} Fix: a valid value for {name} ({schema[key].help}).")
+        out.setdefault(method, {})[key] = parsed
     return out
 
 
