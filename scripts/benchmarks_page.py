@@ -1,5 +1,6 @@
 """Write docs/benchmarks.md from docs/bench/bench.json, docs/bench/sweep.json, docs/bench_peer/sweep.json,
-docs/bench_in_backward/sweep.json, docs/bench_fold/sweep.json and docs/memory_timeline.json.
+docs/bench_in_backward/sweep.json, docs/bench_chunks/sweep.json, docs/bench_fold/sweep.json and
+docs/memory_timeline.json.
 
     python scripts/benchmarks_page.py [BENCH_DIR] [PAGE] [PEER_SWEEP_DIR]
 
@@ -20,16 +21,17 @@ PROFILE = "--model tiny-qwen2-moe --methods full,ckpt,revffn,lora,dora,hift,reft
 PEER = "hf-trainer+ckpt"  # what users would run instead: transformers' Trainer with gradient checkpointing
 INB = ":optimizer_in_backward=true"
 IN_BACKWARD = ["ckpt", "revffn", f"ckpt{INB}", f"revffn{INB}"]  # the in-backward sweep's methods
-CHUNK = "revffn:revffn.recompute_chunk_tokens=1024"
-FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false", CHUNK]  # the fold sweep's (RevFFN's default folds)
+CHUNKS = [f"revffn:revffn.recompute_chunk_tokens={n}" for n in (4096, 2048)] + [  # the chunk sweep's methods
+    "revffn", "revffn:revffn.recompute_chunk_tokens=512"]  # (the default, 1024, is plain `revffn`)
+FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false"]  # the fold sweep's (RevFFN's default folds)
 COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --threads 1 --out docs/bench",
-            f"revffn bench {PROFILE} --steps 1 --sweep layers=4,8,16,32 --out docs/bench",
+            f"revffn bench {PROFILE} --steps 1 --sweep layers=4,8,16,32 --threads 1 --out docs/bench",
             "revffn bench --model tiny-qwen2-moe --methods ckpt,revffn --hidden 256 --batch 4 --layers 16 --steps 2 "
             f"--sweep seq=512,1024,2048,4096 --peers {PEER} --threads 1 --out docs/bench_peer",
             f"revffn bench --model tiny-qwen2-moe --methods {','.join(IN_BACKWARD)} --hidden 256 --batch 4 --layers 16 "
             f"--steps 2 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_in_backward",
-            "revffn bench --model tiny-qwen2-moe --methods revffn,revffn:revffn.recompute_chunk_tokens=1024,"
-            "revffn:revffn.recompute_chunk_tokens=512 --set revffn.adapter_init=coordinate --hidden 256 --batch 4 "
+            f"revffn bench --model tiny-qwen2-moe --methods {','.join(CHUNKS)} "
+            "--set revffn.adapter_init=coordinate --hidden 256 --batch 4 "
             f"--layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_chunks",
             f"revffn bench --model tiny-qwen2-moe --methods {','.join(FOLD)} --set revffn.adapter_init=coordinate "
             f"--hidden 256 --batch 4 --layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 "
@@ -43,7 +45,7 @@ def _ok(data: dict) -> dict[str, dict]:
 
 
 def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_backward: dict | None = None,
-            fold: dict | None = None) -> list[tuple[str, str, float | None, bool | None]]:
+            chunks: dict | None = None) -> list[tuple[str, str, float | None, bool | None]]:
     """(what, goal, reached, met) for each target of the issues (23: against full and ckpt; 24: against the peer)."""
     rows = _ok(bench)
 
@@ -83,23 +85,23 @@ def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_
             what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
             test = (lambda x, b=bound: x <= b) if bound is not None else (lambda x: x >= 0.85)
             out.append((f"seq {value}: {what}, revffn + optimizer_in_backward ÷ {PEER}", goal, r, test))
-    for value in (fold or {}).get("sweep", {}).get("values", []):  # the crossover with the P_down adapters folded
-        at = {r["method"]: r for r in fold["results"] if r["value"] == value and r.get("status") == "ok"}
+    for value in (chunks or {}).get("sweep", {}).get("values", []):  # the crossover by recompute chunk size
+        at = {r["method"]: r for r in chunks["results"] if r["value"] == value and r.get("status") == "ok"}
         goals = [("peak_mem_bytes", "≤ 1.00", lambda x: x <= 1.0)] if value < 2048 else [
             ("peak_mem_bytes", "≤ 0.80", lambda x: x <= 0.8), ("tokens_per_s", "≥ 0.85", lambda x: x >= 0.85)]
-        for method in ("revffn", CHUNK):
+        for method in CHUNKS:
             for key, goal, test in goals:
                 r = at[method][key] / at[PEER][key] if method in at and PEER in at else None
                 what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
-                label = "revffn (folded)" if method == "revffn" else "revffn (folded), 1024-token chunks"
-                out.append((f"seq {value}: {what}, {label} ÷ {PEER}", goal, r, test))
+                n = method.rpartition("=")[2] + "-token chunks" if "=" in method else "1024-token chunks (default)"
+                out.append((f"seq {value}: {what}, revffn, {n} ÷ {PEER}", goal, r, test))
     return [(w, g, v, None if v is None else bool(test(v))) for w, g, v, test in out]
 
 
 def fold_section(fold: dict) -> list[str]:
     """The P_down adapters folded into the layers at stage 2 (`revffn.fold_adapters`, the default) against not."""
     lines = [f"## P_down folded into the layers (`revffn.fold_adapters`), against {PEER}", "",
-             _body(sweep_markdown(fold)), "", "![sweep: RevFFN folded, unfolded and chunked](bench_fold/sweep.png)", ""]
+             _body(sweep_markdown(fold)), "", "![sweep: RevFFN folded and unfolded](bench_fold/sweep.png)", ""]
     at = {(r["method"], r["value"]): r for r in fold["results"] if r.get("status") == "ok"}
     unfolded = "revffn:revffn.fold_adapters=false"
     for value in fold["sweep"]["values"]:
@@ -160,7 +162,7 @@ def timeline_section(rows: list[dict]) -> list[str]:
 
 
 def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_backward: dict | None = None,
-         timeline: list[dict] | None = None, fold: dict | None = None) -> str:
+         timeline: list[dict] | None = None, fold: dict | None = None, chunks: dict | None = None) -> str:
     meta, info = bench["meta_info"], bench["run_info"]
     threads = meta.get("torch_threads")
     lines = ["# Benchmarks", "",
@@ -174,7 +176,7 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
              "Each method runs in a fresh process (`revffn.reports.workers.bench`), built and stepped as `revffn "
              "train` does (revffn in stage 2, hift cycling its groups); one warm-up step, then the timed steps.",
              "", "## Targets", "", "| target | goal | reached | met |", "|---|---|---:|---|"]
-    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, fold):
+    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, chunks):
         shown = "n/a" if value is None else f"{value:.3f}"
         lines.append(f"| {what} | {goal} | {shown} | {'n/a' if met is None else 'yes' if met else '**no**'} |")
     lines += ["", "## Bench: every method, 16 layers", "", _body(bench_markdown(bench)), "",
@@ -193,6 +195,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
         lines += [f"## Against transformers' Trainer with gradient checkpointing ({PEER}): sequence length", "",
                   _body(sweep_markdown(peer_sweep)), "",
                   "![sweep: memory, saved bytes and tokens/s vs sequence length, with the peer](bench_peer/sweep.png)",
+                  ""]
+    if chunks:
+        lines += [f"## The recompute's chunk size (`revffn.recompute_chunk_tokens`), against {PEER}", "",
+                  _body(sweep_markdown(chunks)), "", "![sweep: RevFFN by recompute chunk size](bench_chunks/sweep.png)",
                   ""]
     if fold:
         lines += fold_section(fold)
@@ -326,9 +332,13 @@ def main(argv: list[str]) -> int:
         render_dir(peer_dir)
     if in_backward:
         render_dir(inb_path.parent)
-    out.write_text(page(bench, sweep, peer_sweep, in_backward, timeline, fold))
+    chunks_path = ROOT / "docs" / "bench_chunks" / "sweep.json"
+    chunks = json.loads(chunks_path.read_text()) if chunks_path.is_file() else None
+    if chunks:
+        render_dir(chunks_path.parent)
+    out.write_text(page(bench, sweep, peer_sweep, in_backward, timeline, fold, chunks))
     print(f"wrote {out}")
-    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, fold):
+    for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, chunks):
         print(f"  {what}: {'n/a' if value is None else f'{value:.3f}'} (goal {goal}) {'' if met else 'NOT MET'}")
     return 0
 

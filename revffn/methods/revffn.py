@@ -49,10 +49,12 @@ from revffn.schema import Key
 
 DISTILL_TEACHERS = ("copy", "cached")  # distill_teacher: `methods.teacher_cache` for the second
 TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
-# The MoE branch's backward recompute by chunks of this many tokens (`RevBlock`'s chunked G): its working set is
-# then one chunk's. At 4 x 2048 tokens on the CPU bench's 16-layer profile it takes RevFFN's peak from 657 to
-# 579 MiB at the same tokens/s (docs/benchmarks.md); below 4096 tokens a step is one chunk, as before.
-RECOMPUTE_CHUNK_TOKENS = 4096
+# The backward recompute by chunks of this many tokens (`RevBlock`'s chunked G; F by whole sequences): its working
+# set is then one chunk's. On the CPU bench's 16-layer profile (4 x 512 and 4 x 2048 tokens, adapters frozen),
+# against 4096 it takes RevFFN's peak from 402 to 385 MiB and from 515 to 451 MiB at 0.97-0.98x the tokens/s
+# (docs/benchmarks.md, bench_chunks); 512 saves no more at 4 x 2048. Not measured on a GPU, where a smaller chunk
+# gives each expert fewer rows a matmul: raise it there if memory allows.
+RECOMPUTE_CHUNK_TOKENS = 1024
 
 
 class RevFFNMethod(Method):

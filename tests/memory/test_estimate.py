@@ -13,6 +13,7 @@ from revffn.memory.estimate import count_params, fits, format_estimate, parse_si
 from revffn.memory.estimate import estimate as estimate_of
 from revffn.memory.measure import SavedTensorLog
 from revffn.methods import method_class
+from revffn.methods.revffn import RECOMPUTE_CHUNK_TOKENS
 from revffn.models.loading import config_presets, hf_config
 from revffn.models.presets import tiny_model
 from revffn.reports.check import make_batch
@@ -161,7 +162,9 @@ def test_revffn_recompute_chunks_shrink_the_moe_working_set(freeze_router):
     assert whole - chunked == pytest.approx(7 * (chunked - one), rel=1e-3)  # linear in the chunk
     assert working(N) == working(10**6) == whole  # a chunk of every token is the whole recomputation
     est_whole = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router, recompute_chunk_tokens=0)
-    est_chunked = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router)  # 4096: the default
+    est_chunked = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router, recompute_chunk_tokens=4096)
+    est_default = estimate(config, "revffn", 1, N, "bfloat16", freeze_router=freeze_router)
+    assert est_default["recompute_working_set"] == working(RECOMPUTE_CHUNK_TOKENS) < chunked
     assert est_whole["recompute_working_set"] == whole and est_chunked["recompute_working_set"] == chunked
     assert est_whole["total"] - est_chunked["total"] == pytest.approx((whole - chunked) * 1.05, rel=1e-6)
     assert any("chunks of 4096 tokens" in n for n in est_chunked["notes"])
@@ -184,7 +187,7 @@ def test_revffn_recompute_chunks_shrink_the_attention_working_set_by_whole_seque
     assert by_two == pytest.approx(2 * one_seq, rel=1e-3)  # both parts: 4096 tokens, 2 whole sequences
     attn_one_seq = working(8, 2048, 1)  # attention one sequence at a time, the MoE one token: ~1/8 of the whole
     assert attn_one_seq < by_two / 2 and working(8, 2048, 1024) > attn_one_seq
-    notes = estimate(config, "revffn", 8, 2048, "bfloat16")["notes"]
+    notes = estimate(config, "revffn", 8, 2048, "bfloat16", recompute_chunk_tokens=4096)["notes"]
     assert any("its attention's by chunks of 2 sequences" in n for n in notes)
     fsdp = estimate(config, "revffn", 8, 2048, "bfloat16", world_size=2, distributed="fsdp")  # training: whole
     assert fsdp["recompute_working_set"] == eight

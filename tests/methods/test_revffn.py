@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from revffn.cli import main
 from revffn.methods import method_class
+from revffn.methods.revffn import RECOMPUTE_CHUNK_TOKENS
 from revffn.models.loading import load_hf
 from revffn.training.config import load_config
 from revffn.training.step import build_run, train_step
@@ -124,13 +125,13 @@ def test_distill_memory_is_one_more_copy_of_the_weights():
 
 def test_recompute_chunk_tokens_reaches_the_backward_and_the_estimate():
     """revffn.recompute_chunk_tokens: the converted model recomputes its MoE branches by chunks in the
-    training step's backward (2 x 24 tokens by 16: 3 chunks per layer); the default, 4096, leaves a batch of fewer
+    training step's backward (2 x 24 tokens by 16: 3 chunks per layer); the default, 1024, leaves a batch of fewer
     tokens whole, and 0 never chunks."""
     _, run = _run("revffn.adapter_warmup_steps=0", "revffn.recompute_chunk_tokens=16")
     assert run.model.recompute_chunk_tokens == 16
     train_step(run, 0, [batch(vocab=500)])
     assert run.model.last_stack_stats["recompute_chunks"] == {0: 3, 1: 3}
-    for option, chunk in (([], 4096), (["revffn.recompute_chunk_tokens=0"], 0)):
+    for option, chunk in (([], RECOMPUTE_CHUNK_TOKENS), (["revffn.recompute_chunk_tokens=0"], 0)):
         cfg, run = _run("revffn.adapter_warmup_steps=0", *option)
         assert run.model.recompute_chunk_tokens == chunk
         train_step(run, 0, [batch(vocab=500)])
