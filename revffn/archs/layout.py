@@ -241,7 +241,7 @@ def unused_pieces(hf_model, spec: ArchSpec) -> list[str]:
                         "residual stream does not fit Y = X + F(X)")
             problems[i] = (f"has {', '.join(f'`{p}`' for p in pieces)} that RevFFN's layout does not use ({why})")
     out = _group(problems)
-    model_level = [spec.layers, spec.embed, spec.final_norm, spec.head, spec.rotary]
+    model_level = [p for p in (spec.layers, spec.embed, spec.final_norm, spec.head, spec.rotary) if p]
     outside = _uncovered([n for n, _ in hf_model.named_parameters()], model_level)
     if outside:
         out.append(f"the model has parameters outside its decoder layers, embedding, final norm and head: "

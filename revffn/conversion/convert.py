@@ -374,11 +374,15 @@ class RopePlan:
     - `keys`: one call per key, `rotary(x, position_ids, layer_type=key)`, as a dict. With
       `per_layer` each block reads its own layer type's entry (Gemma3 / Laguna style); without,
       every block gets the whole dict (DeepSeek-V4: rope keys that are not layer types).
+    - `axes`: a multi-axis (M-RoPE) rotary, one row of position ids per axis (`mrope_section`); text
+      positions are the same on every axis, so (B, T) ids are broadcast to (axes, B, T), as the HF text
+      model does before its rotary (transformers 5.17's Qwen3.5-MoE rotary reads only the 3-D form).
     """
 
     module: nn.Module | None
     keys: tuple[str, ...] | None = None
     per_layer: bool = False
+    axes: int = 0
 
     @classmethod
     def of(cls, hf_model: nn.Module, spec: ArchSpec) -> RopePlan:
@@ -386,7 +390,7 @@ class RopePlan:
         if rotary is None:
             return cls(None)
         if "layer_type" not in inspect.signature(rotary.forward).parameters:
-            return cls(rotary)
+            return cls(rotary, axes=len(getattr(rotary, "mrope_section", None) or ()))
         types = tuple(getattr(hf_model.config, "layer_types", None) or ())
         own = tuple(getattr(rotary, "layer_types", None) or sorted(set(types)))
         if types and set(types) <= set(own):
@@ -397,6 +401,8 @@ class RopePlan:
         if self.module is None:
             return None
         if self.keys is None:
+            if self.axes and position_ids.ndim == 2:
+                position_ids = position_ids[None].expand(self.axes, -1, -1)
             return self.module(embeds, position_ids)
         return {k: self.module(embeds, position_ids, layer_type=k) for k in self.keys}
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from revffn import convert
 from revffn.archs.architectures import spec_for
-from revffn.archs.layout import check_convertible
+from revffn.archs.layout import check_convertible, unused_pieces
 from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.models.tiny_any import tiny_model_for
@@ -243,3 +243,13 @@ def test_a_model_without_rope_converts_exactly_jamba():
 
     row = sweep_one("jamba", timeout=120)
     assert row["status"] == "exact", row["reason"]
+
+
+def test_a_spec_without_a_rotary_path_still_names_what_is_unused():
+    """A spec with no rotary path (NoPE) lists the model-level pieces it leaves unused, not a TypeError
+    (transformers 5.17's inkling_text crashed here instead of being refused)."""
+    hf = tiny_model_for("mixtral")
+    hf.model.embed_gain = nn.Parameter(torch.ones(hf.config.hidden_size))
+    spec = dataclasses.replace(spec_for(hf), rotary=None)
+    problems = unused_pieces(hf, spec)
+    assert len(problems) == 1 and "`model.embed_gain`" in problems[0]

@@ -100,3 +100,24 @@ def test_each_attention_gets_the_position_embeddings_and_mask_hf_gives_it(model_
             g_leaves, g_spec = torch.utils._pytree.tree_flatten(g)
             assert w_spec == g_spec, (i, w_spec, g_spec)
             assert all(torch.equal(a, b) for a, b in zip(w_leaves, g_leaves)), i
+
+
+def test_a_multi_axis_rotary_gets_one_row_of_positions_per_axis():
+    """An M-RoPE rotary (`mrope_section`, Qwen3.5-MoE's text model) reads (axes, B, T) position ids: the plan
+    broadcasts text positions to every axis, as the HF text model does (5.17's rotary takes only that form)."""
+
+    class MRope(torch.nn.Module):
+        mrope_section = [2, 1, 1]
+
+        def forward(self, x, position_ids):
+            assert position_ids.shape == (3, *x.shape[:2]), position_ids.shape
+            return position_ids.float().sum(0), position_ids.float().prod(0)
+
+    plan = RopePlan(MRope(), axes=3)
+    model = torch.nn.Module()
+    model.rotary = MRope()
+    assert RopePlan.of(model, ArchSpec(model_type="any", rotary="rotary")).axes == 3
+    cos, sin = plan(torch.zeros(2, 5, 8), torch.arange(5)[None].expand(2, -1))
+    positions = torch.arange(5.0).expand(2, -1)
+    assert torch.equal(cos, 3 * positions) and torch.equal(sin, positions**3)
+    assert RopePlan.of(tiny_model_for("mixtral", stochastic=0.0), ArchSpec(model_type="any")).axes == 0
