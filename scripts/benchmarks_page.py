@@ -115,9 +115,48 @@ def fold_section(fold: dict) -> list[str]:
                          f"{a['tokens_per_s'] / p['tokens_per_s']:.3f}x); trainable parameters "
                          f"{b['trainable_params'] / 1e6:.2f} M -> {a['trainable_params'] / 1e6:.2f} M.")
     lines += ["- Stage 2 multiplies each P_down into its branch's output projection and down projections "
-              "(`revffn/conversion/fold.py`, docs/engine.md): the same function, 2·d² fewer trainable parameters a "
-              "layer (with their gradients and AdamW moments) and two fewer d × d matmuls per token in the forward, "
-              "the recompute and the backward. The skips stay.", ""]
+              "(`revffn/conversion/fold.py`, docs/engine.md): the same function, 2·d² fewer parameters a layer and "
+              "two fewer d × d matmuls per token in the forward, the recompute and the backward. The skips stay. "
+              "With the adapters frozen in stage 2 (the default since stop 43) the trainable count is the same "
+              "either way and folding saves P_down's weights; with `revffn.train_adapters=true` it also drops "
+              "their gradients and AdamW moments.", ""]
+    return lines
+
+
+def in_backward_gains(in_backward: dict) -> str:
+    """'(seq S: ckpt A -> B MiB, RevFFN C -> D; ...)': each method's peak without and with the in-backward step."""
+    at = {(r["method"], r["value"]): r["peak_mem_bytes"] / 2**20 for r in in_backward["results"]
+          if r.get("status") == "ok"}
+    parts = [f"seq {v}: ckpt {at[('ckpt', v)]:.1f} -> {at[(f'ckpt{INB}', v)]:.1f} MiB, RevFFN "
+             f"{at[('revffn', v)]:.1f} -> {at[(f'revffn{INB}', v)]:.1f}" for v in in_backward["sweep"]["values"]
+             if all((m, v) in at for m in IN_BACKWARD)]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def chunk_section(chunks: dict) -> list[str]:
+    """RevFFN by recompute chunk size (`revffn.recompute_chunk_tokens`) against the peer, seq by seq."""
+    lines = [f"## The recompute's chunk size (`revffn.recompute_chunk_tokens`), against {PEER}", "",
+             _body(sweep_markdown(chunks)), "", "![sweep: RevFFN by recompute chunk size](bench_chunks/sweep.png)", ""]
+    at = {(r["method"], r["value"]): r for r in chunks["results"] if r.get("status") == "ok"}
+    for value in chunks["sweep"]["values"]:
+        peer = at.get((PEER, value))
+        if not peer:
+            continue
+        parts = []
+        for method in CHUNKS:
+            if (method, value) in at:
+                r = at[(method, value)]
+                n = method.rpartition("=")[2] if "=" in method else "1024 (the default)"
+                parts.append(f"{n}: {r['peak_mem_bytes'] / 2**20:.1f} MiB and {r['tokens_per_s']:.0f} tokens/s "
+                             f"({r['peak_mem_bytes'] / peer['peak_mem_bytes']:.3f}x, "
+                             f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}x)")
+        lines.append(f"- seq {value}, against the peer's {peer['peak_mem_bytes'] / 2**20:.1f} MiB and "
+                     f"{peer['tokens_per_s']:.0f} tokens/s, by chunks of " + "; ".join(parts) + ".")
+    lines += ["- The chunk bounds the backward's working set: each layer's MoE branch is recomputed and "
+              "back-propagated N tokens at a time, its attention by whole sequences of at most N tokens. These "
+              "rows skip the calibration (`revffn.adapter_init=coordinate`): it changes no training tensor, and "
+              "the set-up it leaves resident (code paged in for the fp64 fits, 9 MiB at seq 512) is the same at "
+              "every chunk size.", ""]
     return lines
 
 
@@ -145,13 +184,16 @@ def timeline_section(rows: list[dict]) -> list[str]:
         c, v = by[("ckpt", False)], by[("revffn", False)]
         d = {k: v["at_peak_mib"].get(k, 0) - c["at_peak_mib"].get(k, 0) for k in ("parameter", "optimizer_state",
                                                                                  "gradient")}
-        lines += ["", f"- RevFFN peaks {v['peak_mib'] - c['peak_mib']:.1f} MiB above revffn's checkpointing, "
-                  f"and the difference is its adapters: +{d['parameter']:.1f} MiB of parameters, "
-                  f"+{d['optimizer_state']:.1f} of AdamW state and +{d['gradient']:.1f} of gradients for "
-                  f"{(v['trainable_params'] - c['trainable_params']) / 1e6:.2f} M more trainable parameters. Both "
-                  f"peaks fall at the end of backward ({c['peak_at']:.2f} and {v['peak_at']:.2f} of the step), when "
-                  "every gradient is allocated and the activations either saved are already freed: at this length "
-                  "what RevFFN saves over checkpointing is gone before the peak, and its static bytes decide."]
+        gap = v["peak_mib"] - c["peak_mib"]
+        held = {k: (v["at_peak_mib"].get(k, 0), c["at_peak_mib"].get(k, 0)) for k in ("autograd_detail", "temporary")}
+        lines += ["", f"- RevFFN peaks {abs(gap):.1f} MiB {'above' if gap > 0 else 'below'} revffn's checkpointing. "
+                  f"Its adapters add +{d['parameter']:.1f} MiB of parameters, {d['optimizer_state']:+.1f} of AdamW "
+                  f"state and {d['gradient']:+.1f} of gradients (frozen in stage 2, the default since stop 43, the "
+                  "skips keep their weights and drop their gradients and moments); against that, at the peak "
+                  f"checkpointing holds {held['autograd_detail'][1]:.1f} MiB of autograd's saved tensors and "
+                  f"{held['temporary'][1]:.1f} of temporaries, RevFFN {held['autograd_detail'][0]:.1f} and "
+                  f"{held['temporary'][0]:.1f} (one chunk's recompute). Both peaks fall at the end of backward "
+                  f"({c['peak_at']:.2f} and {v['peak_at']:.2f} of the step), when every gradient is allocated."]
         if ("revffn", True) in by:
             b = by[("revffn", True)]
             lines.append(f"- With the optimizer stepped in backward each gradient is freed as soon as it is "
@@ -197,9 +239,7 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
                   "![sweep: memory, saved bytes and tokens/s vs sequence length, with the peer](bench_peer/sweep.png)",
                   ""]
     if chunks:
-        lines += [f"## The recompute's chunk size (`revffn.recompute_chunk_tokens`), against {PEER}", "",
-                  _body(sweep_markdown(chunks)), "", "![sweep: RevFFN by recompute chunk size](bench_chunks/sweep.png)",
-                  ""]
+        lines += chunk_section(chunks)
     if fold:
         lines += fold_section(fold)
     if timeline:
@@ -214,10 +254,8 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
                   "norm, so it is an option, not RevFFN's default. transformers' Trainer has no such option.",
                   "- It helps RevFFN more than checkpointing at long rows: checkpointing's peak moves into the "
                   "backward's recompute, which keeps every layer's saved input, while RevFFN's stays where the "
-                  "gradients pile up. At the short profile revffn's own `ckpt` with it still peaks below RevFFN "
-                  "with it (the adapters' static bytes).",
-                  "- Its tokens/s were measured beside a second job on the other core (a heal of the real model, "
-                  "one thread) and, for some rows, a test run: read them as rough."]
+                  "gradients pile up" + in_backward_gains(in_backward) + ".",
+                  ""]
     lines += ["## Reading the numbers", "",
               f"- *{PEER}* is transformers' own `Trainer` (`TrainingArguments(activation_checkpointing=True)`, "
               "non-reentrant) on the same model, batch, dtype and AdamW, in its own fresh process "
@@ -231,53 +269,35 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "layer's whole graph, until the next step (290 MiB of live tensors after backward). The taps now "
               "listen only during the forward (`RouterTap.listen`); ckpt peaks at the peer's memory.",
               "- RevFFN recomputes each layer's MoE branch in backward by chunks of "
-              "`revffn.recompute_chunk_tokens` (4096 by default; 0 before this change, the whole batch): at seq "
-              "2048 its peak went from 657 to 579 MiB (2048-token chunks: 565) at the same tokens/s. What remains "
-              "above the peer at short sequences is RevFFN's own static memory: its adapters (4·d² a layer at full "
-              "stream width, 4.2 M parameters here, 67 MB with their gradients and AdamW states; 2·d² in stage 2 "
-              "since P_down folds into the layers, the section above) against the activations it saves over "
-              "checkpointing (the 16 layer inputs, 39 MiB at seq 512).",
-              "- The attention branch F is now recomputed by chunks of whole sequences too (at most "
-              "`recompute_chunk_tokens` tokens a chunk, at least one sequence). Its peak, from torch.profiler's "
-              "timeline (`python scripts/memory_timeline.py --method revffn --seq S --set "
-              "revffn.adapter_init=coordinate --set revffn.recompute_chunk_tokens=N`, one thread): seq 512, N 4096 "
-              "(no chunk) 415.5 MiB, N 1024 401.2, N 512 388.1 (the peak then falls in F: one 512-token sequence's "
-              "working set); seq 2048, N 4096 540.6 (two 4096-token chunks of G), N 2048 488.4, N 1024 474.4 "
-              "(518.0 with G chunked and F whole). Not materializing the gradient the loss does not give the first "
-              "stream (a zero stream held through the whole backward) and the backward's stream arithmetic in the "
-              "recompute's own buffers take 2 to 8 MiB more off: 413.5, 386.1, 532.6 and 466.4 MiB for the rows "
-              "above. revffn's `ckpt` peaks at 348.4 and 586.2. In the bench (peak RSS, "
-              "[bench_chunks](bench_chunks/sweep.md), "
-              "one thread, nothing else running): seq 512, RevFFN 458.4 MiB with 4096-token chunks, 441.7 with "
-              "1024, 429.4 with 512, against the peer's checkpointing 392.1 (1.17x, 1.13x, 1.10x); tokens/s 222, "
-              "261, 253 against 285. Seq 2048: 571.1, 507.2, 507.0 MiB against 630.4 (**0.906x, 0.805x, 0.804x**); "
-              "tokens/s 190, 181, 183 against 227 (**0.837x, 0.797x, 0.806x**). Smaller chunks buy memory at seq "
-              "2048 and cost 4-5 % of the tokens/s; no chunk size meets both crossover goals (<= 0.80x memory, "
-              ">= 0.85x tokens/s), so the default stays 4096 (on a GPU an MoE chunk of 1024 tokens also leaves "
-              "each expert few rows).",
-              "- Stop 42 measured the chunk sizes once more at seq 2048 with the adapters folded, 3 timed steps, "
-              "one thread, nothing else running (`revffn bench --model tiny-qwen2-moe --methods "
-              "revffn,revffn:revffn.recompute_chunk_tokens=2048,revffn:revffn.recompute_chunk_tokens=1024 --set "
-              "revffn.adapter_init=coordinate --hidden 256 --batch 4 --layers 16 --steps 3 --seq 2048 --peers "
-              "hf-trainer+ckpt --threads 1 --out runs/bench_chunks_2048`): against the peer's checkpointing (630.4 "
-              "MiB, 276 tokens/s), chunks of 4096 (the default) 538.3 MiB and 248 tokens/s (**0.85x, 0.90x**), of "
-              "2048 489.3 MiB and 251 (**0.78x, 0.91x**), of 1024 474.9 MiB and 257 (**0.75x, 0.93x**). On the CPU "
-              "smaller chunks cost no speed in this run and the last one (bench_fold: 0.95x at 1024), against 4-5 %"
-              " in bench_chunks: 2048 and 1024 meet both seq-2048 crossover goals. The default is still 4096: every"
-              " committed bench page and estimate above was made with it, and the GPU cost of smaller expert "
-              "batches is not measured (no GPU lent); `revffn.recompute_chunk_tokens=2048` is the setting to use on"
-              " a CPU or wherever memory is tight.",
-              "- Every revffn row on this page trained its adapters in stage 2 (`revffn.train_adapters=true`, the "
-              "default until stop 43; add `--set revffn.train_adapters=true` to the commands above to measure the "
-              "same). Stop 43: the adapters frozen in stage 2 (`revffn.train_adapters=false`, the default now; "
-              "docs/conversion.md: on "
-              "SmolLM2 it forgets far less) at this profile, one thread, a study job beside it (`revffn bench "
-              "--model tiny-qwen2-moe --methods ckpt,revffn,revffn:revffn.train_adapters=false --peers hf-trainer "
-              "--layers 16 --hidden 256 --batch 4 --seq 512 --steps 3 --threads 1`): RevFFN 435.9 MiB, frozen "
-              "411.5, against the peer's checkpointing 392.3 (**1.11x, 1.05x**); static 336.4 and 312.4 MiB against"
-              " 304.8 (the frozen adapters' weights remain, their gradients and AdamW moments go); tokens/s 343 and"
-              " 320 against 314. Not yet <= 1.00x: above its static bytes RevFFN's peak is 99 MiB against the "
-              "peer's 88, though it saves 8.3 MiB for backward against 55.",
+              "`revffn.recompute_chunk_tokens` tokens and its attention by chunks of whole sequences (section above;"
+              " 1024 by default since stop 44, 4096 before, 0 before that: the whole batch). History: the first "
+              "chunking took seq 2048 from 657 to 579 MiB at the same tokens/s; torch.profiler's timeline (`python "
+              "scripts/memory_timeline.py --method revffn --seq S --set revffn.adapter_init=coordinate --set "
+              "revffn.recompute_chunk_tokens=N`, one thread) put the peak of seq 512 at 415.5 MiB with N 4096, "
+              "401.2 with 1024, 388.1 with 512 (the peak then falls in F: one 512-token sequence's working set) "
+              "and of seq 2048 at 540.6, 488.4 (N 2048) and 474.4 (N 1024). Stop 42's and 43's benches, with the "
+              "adapters trained in stage 2, then found 2048- and 1024-token chunks meeting both seq-2048 crossover "
+              "goals (0.78x and 0.75x the peer's memory at 0.91x and 0.93x its tokens/s) and 4096 missing the "
+              "memory goal (0.85x); the default stayed 4096 until the rows above, with the adapters frozen, showed "
+              "1024 meeting the seq-512 goal too.",
+              "- Not measured on a GPU: there a chunk of 1024 tokens gives each expert of a 60-expert top-4 MoE "
+              "about 68 rows a matmul in the recompute, against about 273 with 4096; raise "
+              "`revffn.recompute_chunk_tokens` where memory allows (`revffn estimate --option "
+              "recompute_chunk_tokens=N` gives the working set).",
+              "- Since stop 44 every revffn row on this page runs the method's defaults: the adapters frozen in "
+              "stage 2 (`revffn.train_adapters=false`; docs/conversion.md: on SmolLM2 it forgets far less), P_down "
+              "folded, 1024-token chunks. The pages before trained the adapters (stop 43 at this profile, one "
+              "thread: RevFFN 435.9 MiB trained, 411.5 frozen, against the peer's checkpointing 392.3, with "
+              "4096-token chunks; static 336.4 and 312.4 MiB against 304.8: the frozen adapters' weights remain, "
+              "their gradients and AdamW moments go).",
+              "- The 16-layer bench's revffn row calibrates (the default `adapter_init`) and the chunk sweep's does "
+              "not. Side by side (`revffn bench --model tiny-qwen2-moe --methods "
+              "revffn,revffn:revffn.adapter_init=coordinate --hidden 256 --batch 4 --seq 512 --layers 16 --steps 2 "
+              "--threads 1`) the calibrated step peaks 9.3 MiB higher, 394.9 against 385.6 MiB, with the same "
+              "tensors alive (329 storages, 92.2 MiB, after the build): the calibrated process keeps 21 MiB more "
+              "resident after its set-up, 10.7 MiB of it library code paged in by the fp64 fits (`RssFile` in "
+              "/proc/self/status) and 7.9 MiB anonymous, of which `gc.collect`, `malloc_trim(0)` and MKL's "
+              "`mkl_serv_free_buffers` return 3.6 MiB; not found further.",
               "- *peak mem* on CPU is the worker's peak resident set minus its RSS right after the imports (since "
               "stop 41 the peak over the steps only: the kernel's high-water mark is reset once the model is built,"
               " `peak_since: built` in bench.json, as CUDA's peak is; before, a small model's figure could be its "
@@ -292,6 +312,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "- *saved for backward* is what autograd holds after one forward (parameters excluded, unique "
               "storages); revffn's routing records (one byte per token, choice and MoE layer) are listed apart. "
               "The `(est.)` values are `revffn estimate` for the same configuration.",
+              "- Stop 44 ran the page's benches two at a time, one per core (each method process one thread): "
+              "every tokens/s figure reads lower than on an idle machine (RevFFN at seq 2048 in 1024-token chunks: "
+              "183 tokens/s here, 276 alone the same day), and a ratio compares rows of one sweep, run under the "
+              "same load.",
               f"- tokens/s are medians over the timed steps on {threads} threads of a small shared VM: expect 10-20% "
               "of noise between runs (the first timed step after the warm-up is often slower for the "
               "methods that hold the most memory; the sweep times a single step, so its tokens/s are rougher "
