@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from revffn.methods.revffn import RECOMPUTE_CHUNK_TOKENS
 from revffn.reports.render.bench import bench_markdown, render_dir, sweep_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ PEER = "hf-trainer+ckpt"  # what users would run instead: transformers' Trainer 
 INB = ":optimizer_in_backward=true"
 IN_BACKWARD = ["ckpt", "revffn", f"ckpt{INB}", f"revffn{INB}"]  # the in-backward sweep's methods
 CHUNKS = [f"revffn:revffn.recompute_chunk_tokens={n}" for n in (4096, 2048)] + [  # the chunk sweep's methods
-    "revffn", "revffn:revffn.recompute_chunk_tokens=512"]  # (the default, 1024, is plain `revffn`)
+    "revffn", "revffn:revffn.recompute_chunk_tokens=512"]  # (the default is plain `revffn`)
 FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false"]  # the fold sweep's (RevFFN's default folds)
 COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --threads 1 --out docs/bench",
             f"revffn bench {PROFILE} --steps 1 --sweep layers=4,8,16,32 --threads 1 --out docs/bench",
@@ -38,6 +39,11 @@ COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --
             "--out docs/bench_fold",
             "python scripts/memory_timeline.py --out docs/memory_timeline.json",
             "python scripts/benchmarks_page.py"]
+
+
+def _chunk(method: str) -> tuple[str, str]:
+    """A chunk sweep's method -> (its chunk size, ' (default)' or ''): plain `revffn` runs the method's default."""
+    return (method.rpartition("=")[2], "") if "=" in method else (str(RECOMPUTE_CHUNK_TOKENS), " (default)")
 
 
 def _ok(data: dict) -> dict[str, dict]:
@@ -93,8 +99,8 @@ def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_
             for key, goal, test in goals:
                 r = at[method][key] / at[PEER][key] if method in at and PEER in at else None
                 what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
-                n = method.rpartition("=")[2] + "-token chunks" if "=" in method else "1024-token chunks (default)"
-                out.append((f"seq {value}: {what}, revffn, {n} ÷ {PEER}", goal, r, test))
+                n, default = _chunk(method)
+                out.append((f"seq {value}: {what}, revffn, {n}-token chunks{default} ÷ {PEER}", goal, r, test))
     return [(w, g, v, None if v is None else bool(test(v))) for w, g, v, test in out]
 
 
@@ -146,8 +152,9 @@ def chunk_section(chunks: dict) -> list[str]:
         for method in CHUNKS:
             if (method, value) in at:
                 r = at[(method, value)]
-                n = method.rpartition("=")[2] if "=" in method else "1024 (the default)"
-                parts.append(f"{n}: {r['peak_mem_bytes'] / 2**20:.1f} MiB and {r['tokens_per_s']:.0f} tokens/s "
+                n, default = _chunk(method)
+                parts.append(f"{n}{default.replace('(', '(the ')}: {r['peak_mem_bytes'] / 2**20:.1f} MiB and "
+                             f"{r['tokens_per_s']:.0f} tokens/s "
                              f"({r['peak_mem_bytes'] / peer['peak_mem_bytes']:.3f}x, "
                              f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}x)")
         lines.append(f"- seq {value}, against the peer's {peer['peak_mem_bytes'] / 2**20:.1f} MiB and "

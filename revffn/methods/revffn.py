@@ -69,8 +69,7 @@ class RevFFNMethod(Method):
                               "folded); false: they stay as calibrated and healed, with no gradients or optimizer "
                               "states (the quickstart, 3 seeds at 4096-token chunks: 95 % exact match against "
                               "69 %, retention 6.14 against 8.42, docs/results.md; SmolLM2 forgets less at the same "
-                              "task score: "
-                              "docs/conversion.md)"),
+                              "task score: docs/conversion.md)"),
         "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
                             choices=("float32", "bfloat16")),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
