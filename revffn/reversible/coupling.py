@@ -232,42 +232,43 @@ class RevBlock(nn.Module):
         """Y_1 alone, G not run (calibration: a fit that needs only F's side)."""
         return X_1 + self.F(X_2, sctx.for_layer(self.position_key))
 
-    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None):
+    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None, owned: bool = False):
         """Rebuild (X_1, X_2) from (Y_1, Y_2) and back-propagate (dY_1, dY_2) through the block.
 
         `records`: F's and G's `SubBlockRecord` from the forward, replayed while each is recomputed.
         Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
+
+        `owned`: the four streams are buffers of this backward, which no one else reads (every block's
+        but the top one's: those are the stack's saved outputs and autograd's incoming gradients). Then
+        X_2 is written into Y_2, X_1 into Y_1 and the gradients into dY_1 and dY_2, chunk by chunk, so the
+        block's backward holds its four streams and one chunk's working set: two streams fewer than with
+        separate results while G is recomputed, four fewer while F is (the caller still holds the inputs).
         """
         sctx = sctx.for_layer(self.position_key)
         if dY_2 is None:  # Y_2 reached no loss (autograd's undefined gradient): zero
             dY_2 = torch.zeros_like(Y_2)
-        g_Y_1, dG = self._g_backward(Y_1, dY_2, sctx, records[1], d_aux)
-        with torch.no_grad():  # in the buffers G's recompute returned where they are its own: no new stream
-            X_2 = _subtract_from(Y_2, g_Y_1, keep=(Y_1, Y_2, dY_1, dY_2))
-            dY_1 = dG if dY_1 is None else _add_into(dG, dY_1, keep=(Y_1, Y_2, X_2, dY_1, dY_2))
-            del g_Y_1, dG  # G's output and the gradient it passed to Y_1
-
-        f_X_2, dX_2 = self._f_backward(X_2, dY_1, sctx, records[0])
-        with torch.no_grad():
-            X_1 = _subtract_from(Y_1.detach(), f_X_2, keep=(Y_1, Y_2, X_2, dY_1, dY_2))
-            del f_X_2  # F's output
-            dX_2 = _add_into(dX_2, dY_2, keep=(Y_1, Y_2, X_1, X_2, dY_1, dY_2))
+        in_place = owned and _own_buffers(Y_1, Y_2, dY_1, dY_2)
+        X_2, dY_1 = self._g_backward(Y_1, Y_2, dY_1, dY_2, sctx, records[1], d_aux, in_place)
+        X_1, dX_2 = self._f_backward(Y_1, X_2, dY_1, dY_2, sctx, records[0], in_place)
         return X_1, X_2, dY_1, dX_2
 
-    def _f_backward(self, X_2, dY_1, sctx: StackContext, record: SubBlockRecord) -> tuple[torch.Tensor, torch.Tensor]:
+    def _f_backward(self, Y_1, X_2, dY_1, dY_2, sctx: StackContext, record: SubBlockRecord,
+                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """F(X_2) recomputed and dY_1 back-propagated through it: by chunks of whole sequences where
         `_f_chunks` allows (each chunk as many sequences as fit in `sctx.recompute_chunk_tokens` tokens, at
-        least one), so only one chunk's graph is alive at a time, else at once. Returns (F(X_2), the
-        gradient reaching X_2), both detached."""
+        least one), so only one chunk's graph is alive at a time, else at once. Returns X_1 = Y_1 - F(X_2)
+        and dX_2 = dY_2 + the gradient F passes to X_2 (`in_place`: in Y_1's and dY_2's buffers)."""
         chunks = self._f_chunks(X_2, record, sctx)
         if chunks is None:
-            return self._f_recompute(X_2, dY_1, sctx, record)
-        f_X_2, dX_2 = torch.empty_like(X_2), torch.empty_like(X_2)
+            f_X_2, d_f = self._f_recompute(X_2, dY_1, sctx, record)
+            return _inverse_step(Y_1, f_X_2, dY_2, d_f, in_place, keep=(Y_1, X_2, dY_1, dY_2))
+        X_1 = Y_1 if in_place else torch.empty_like(X_2)
+        dX_2 = dY_2 if in_place else torch.empty_like(X_2)
         for i, (span, chunk_ctx) in enumerate(chunks):  # all but the last add to grads more chunks will add to
-            f_X_2[span], dX_2[span] = self._f_recompute(X_2[span], dY_1[span], chunk_ctx, record,
-                                                        partial=i + 1 < len(chunks))
+            f_X_2, d_f = self._f_recompute(X_2[span], dY_1[span], chunk_ctx, record, partial=i + 1 < len(chunks))
+            _write_step(Y_1[span], f_X_2, dY_2[span], d_f, X_1[span], dX_2[span])
         sctx.stats.setdefault("f_recompute_chunks", {})[self.layer_idx] = len(chunks)
-        return f_X_2, dX_2
+        return X_1, dX_2
 
     def _f_chunks(self, X_2: torch.Tensor, record: SubBlockRecord,
                   sctx: StackContext) -> list[tuple[slice, StackContext]] | None:
@@ -300,11 +301,12 @@ class RevBlock(nn.Module):
             grad = sctx.partial.backprop([f_X_2], [dY_1], X_2, partial)
         return f_X_2.detach(), grad
 
-    def _g_backward(self, Y_1, dY_2, sctx: StackContext, record: SubBlockRecord,
-                    d_aux) -> tuple[torch.Tensor, torch.Tensor]:
+    def _g_backward(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, record: SubBlockRecord, d_aux,
+                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """G(Y_1) recomputed and dY_2 back-propagated through it: by chunks of
         `sctx.recompute_chunk_tokens` token rows where `_g_splits` allows, so only one chunk's graph
-        is alive at a time, else at once. Returns (G(Y_1), the gradient reaching Y_1).
+        is alive at a time, else at once. Returns X_2 = Y_2 - G(Y_1) and dY_1 + the gradient G passes
+        to Y_1 (that gradient alone when dY_1 is None); `in_place`: in Y_2's and dY_1's buffers.
 
         Each chunk runs G on rows a..b of the flattened (B*T, width) stream, as a (1, b-a, width)
         sequence, replaying rows a..b of every recorded choice, with the context's per-token tensors
@@ -313,19 +315,22 @@ class RevBlock(nn.Module):
         """
         n = sctx.recompute_chunk_tokens
         if not self._g_splits(Y_1, record, n):
-            return self._g_recompute(Y_1, dY_2, sctx, record, d_aux)
+            g_Y_1, d_g = self._g_recompute(Y_1, dY_2, sctx, record, d_aux)
+            return _inverse_step(Y_2, g_Y_1, dY_1, d_g, in_place, keep=(Y_1, Y_2, dY_1, dY_2))
         width = Y_1.shape[-1]
-        Y_rows, dY_rows = Y_1.reshape(-1, width), dY_2.reshape(-1, width)
-        g_Y_1 = torch.empty_like(Y_1, memory_format=torch.contiguous_format)
-        dY_1 = torch.empty_like(g_Y_1)
-        g_rows, dY_1_rows = g_Y_1.view(-1, width), dY_1.view(-1, width)
+        X_2 = Y_2 if in_place else torch.empty_like(Y_2, memory_format=torch.contiguous_format)
+        dY_1_out = dY_1 if in_place and dY_1 is not None else torch.empty_like(X_2)
+        rows_of = lambda t: None if t is None else t.reshape(-1, width)  # noqa: E731
+        Y_rows, Y_2_rows, dY_1_rows, dY_2_rows = map(rows_of, (Y_1, Y_2, dY_1, dY_2))
+        X_2_rows, dY_1_out_rows = X_2.view(-1, width), dY_1_out.view(-1, width)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
         for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
-            g, grad = self._g_recompute(Y_rows[None, rows], dY_rows[None, rows], sctx.token_rows(rows),
+            g, grad = self._g_recompute(Y_rows[None, rows], dY_2_rows[None, rows], sctx.token_rows(rows),
                                         record.rows(rows), d_aux, partial=i + 1 < len(spans))
-            g_rows[rows], dY_1_rows[rows] = g[0], grad[0]
+            _write_step(Y_2_rows[rows], g[0], None if dY_1 is None else dY_1_rows[rows], grad[0],
+                        X_2_rows[rows], dY_1_out_rows[rows])
         sctx.stats.setdefault("recompute_chunks", {})[self.layer_idx] = len(spans)
-        return g_Y_1, dY_1
+        return X_2, dY_1_out
 
     def _g_splits(self, Y_1: torch.Tensor, record: SubBlockRecord, n: int) -> bool:
         """Whether G can be recomputed by chunks of `n` token rows, exactly: chunking is asked for and
@@ -369,15 +374,33 @@ def _owns(buffer: torch.Tensor, other: torch.Tensor, keep) -> bool:
             and not _shares_storage(buffer, keep))
 
 
-def _subtract_from(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
-    """a - b, written into b's buffer when it `_owns` it: the reversible backward's peak holds a few
-    (B, T, width) streams less."""
-    return b.neg_().add_(a) if _owns(b, a, keep) else a - b
+def _own_buffers(*streams: torch.Tensor | None) -> bool:
+    """Whether the streams (None aside) can each take a result in place, row by row: contiguous, not views,
+    the same shape and dtype, and no two sharing a storage."""
+    ts = [t for t in streams if t is not None]
+    return (all(t.is_contiguous() and t._base is None and t.shape == ts[0].shape and t.dtype == ts[0].dtype
+                for t in ts)
+            and len({t.untyped_storage().data_ptr() for t in ts}) == len(ts))
 
 
-def _add_into(a: torch.Tensor, b: torch.Tensor, keep) -> torch.Tensor:
-    """a + b, written into a's buffer when it `_owns` it."""
-    return a.add_(b) if _owns(a, b, keep) else a + b
+def _write_step(y, f, d, d_f, x_out, d_out) -> None:
+    """One chunk of the inverse step: x_out = y - f and d_out = d + d_f (d_f alone when d is None). `x_out`
+    may be `y` itself and `d_out` `d` itself (in place) or `f` and `d_f`: the same bits either way."""
+    torch.sub(y, f, out=x_out)
+    if d is None:
+        if d_out is not d_f:
+            d_out.copy_(d_f)
+    else:
+        torch.add(d_f, d, out=d_out)
+
+
+def _inverse_step(y, f, d, d_f, in_place: bool, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y - f, d + d_f) for a sub-block recomputed whole: in y's and d's buffers (`in_place`), else in the
+    buffers of its own output f and input gradient d_f where it `_owns` them, else new ones."""
+    x_out = y if in_place else (f if _owns(f, y, keep) else torch.empty_like(y))
+    d_out = d if in_place and d is not None else (d_f if _owns(d_f, y, keep) else torch.empty_like(y))
+    _write_step(y, f, d, d_f, x_out, d_out)
+    return x_out, d_out
 
 
 def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
@@ -458,9 +481,9 @@ class RevStackFunction(torch.autograd.Function):
         saved = iter(rest[ctx.n_ctx :])
         per_block = [[SubBlockRecord.from_layout(x, saved) for x in layouts] for layouts in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable
-        for block, records in zip(reversed(ctx.blocks), reversed(per_block)):
-            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
-                Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux if use_aux else None
+        for i, (block, records) in enumerate(zip(reversed(ctx.blocks), reversed(per_block))):
+            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(  # below the top block the streams are its own buffers
+                Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux if use_aux else None, owned=i > 0
             )
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, Y_1, Y_2)

@@ -295,3 +295,39 @@ def test_chunk_of_all_tokens_or_more_is_the_whole_recomputation():
     g_one, _ = _grads(model, ids, mask, 1)  # one token per chunk
     assert model.last_stack_stats["recompute_chunks"] == {0: 26, 1: 26}
     assert _err(g_one, g_whole) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [0, CHUNK])
+def test_lower_blocks_rebuild_their_inputs_in_place(monkeypatch, chunk):
+    """Below the top block, each block's backward writes X_1, X_2 and their gradients into the buffers of
+    Y_1, Y_2 and theirs (no new stream: the backward holds two to four streams fewer), with the same bits
+    as separate buffers; the top block's inputs (the stack's saved outputs, autograd's gradients) are
+    never written."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3))
+    model.train()
+    ids, mask = _batch()
+    block_cls = type(model.blocks[0])
+    original = block_cls.backward_pass
+    seen = []
+
+    def recording(force_copy):
+        def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux=None, owned=False):
+            ptrs = [t.untyped_storage().data_ptr() for t in (Y_1, Y_2, dY_1, dY_2)]
+            out = original(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux, owned=owned and not force_copy)
+            seen.append((owned, ptrs, [t.untyped_storage().data_ptr() for t in out]))
+            return out
+        return backward_pass
+
+    monkeypatch.setattr(block_cls, "backward_pass", recording(force_copy=False))
+    g_in_place, _ = _grads(model, ids, mask, chunk)
+    assert [owned for owned, _, _ in seen] == [False, True, True]
+    top, *lower = seen
+    assert not set(top[1]) & set(top[2])  # the top block's results are new buffers
+    for _, ptrs_in, ptrs_out in lower:
+        assert ptrs_out == ptrs_in  # X_1 in Y_1's buffer, X_2 in Y_2's, dX_1 in dY_1's, dX_2 in dY_2's
+    seen.clear()
+    monkeypatch.setattr(block_cls, "backward_pass", recording(force_copy=True))
+    g_copied, _ = _grads(model, ids, mask, chunk)
+    assert all(not set(p_in) & set(p_out) for _, p_in, p_out in seen)  # the control did allocate
+    assert g_in_place.keys() == g_copied.keys()
+    assert all(torch.equal(g_in_place[n], g_copied[n]) for n in g_copied)
