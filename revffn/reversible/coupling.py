@@ -232,38 +232,43 @@ class RevBlock(nn.Module):
         """Y_1 alone, G not run (calibration: a fit that needs only F's side)."""
         return X_1 + self.F(X_2, sctx.for_layer(self.position_key))
 
-    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None, owned: bool = False):
+    def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, records, d_aux=None,
+                      owned: tuple[bool, bool, bool, bool] = (False, False, False, False)):
         """Rebuild (X_1, X_2) from (Y_1, Y_2) and back-propagate (dY_1, dY_2) through the block.
 
         `records`: F's and G's `SubBlockRecord` from the forward, replayed while each is recomputed.
         Param grads accumulate into `.grad`. Returns X_1, X_2, dX_1, dX_2.
 
-        `owned`: the four streams are buffers of this backward, which no one else reads (every block's
-        but the top one's: those are the stack's saved outputs and autograd's incoming gradients). Then
-        X_2 is written into Y_2, X_1 into Y_1 and the gradients into dY_1 and dY_2, chunk by chunk, so the
-        block's backward holds its four streams and one chunk's working set: two streams fewer than with
-        separate results while G is recomputed, four fewer while F is (the caller still holds the inputs).
+        `owned`: which of (Y_1, Y_2, dY_1, dY_2) are buffers no one else reads (`RevStackFunction.backward`:
+        the stack's saved outputs, and below the top block every stream; autograd's incoming gradients are
+        not). X_1 is then written into Y_1's buffer, X_2 into Y_2's, dX_1 into dY_1's and dX_2 into dY_2's,
+        chunk by chunk: with all four owned the block's backward holds its four streams and one chunk's
+        working set, two streams fewer than with separate results while G is recomputed, four while F is.
         """
         sctx = sctx.for_layer(self.position_key)
         if dY_2 is None:  # Y_2 reached no loss (autograd's undefined gradient): zero
-            dY_2 = torch.zeros_like(Y_2)
-        in_place = owned and _own_buffers(Y_1, Y_2, dY_1, dY_2)
-        X_2, dY_1 = self._g_backward(Y_1, Y_2, dY_1, dY_2, sctx, records[1], d_aux, in_place)
-        X_1, dX_2 = self._f_backward(Y_1, X_2, dY_1, dY_2, sctx, records[0], in_place)
+            dY_2, owned = torch.zeros_like(Y_2), (*owned[:3], True)
+        streams = (Y_1, Y_2, dY_1, dY_2)
+        owned = tuple(o and t is not None for o, t in zip(owned, streams))
+        mine = [t for o, t in zip(owned, streams) if o]
+        if not _own_buffers(*mine) or any(_shares_storage(t, [u for u in streams if u is not t]) for t in mine):
+            owned = (False,) * 4
+        X_2, dY_1 = self._g_backward(Y_1, Y_2, dY_1, dY_2, sctx, records[1], d_aux, owned[1], owned[2])
+        X_1, dX_2 = self._f_backward(Y_1, X_2, dY_1, dY_2, sctx, records[0], owned[0], owned[3])
         return X_1, X_2, dY_1, dX_2
 
     def _f_backward(self, Y_1, X_2, dY_1, dY_2, sctx: StackContext, record: SubBlockRecord,
-                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    into_y: bool, into_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """F(X_2) recomputed and dY_1 back-propagated through it: by chunks of whole sequences where
         `_f_chunks` allows (each chunk as many sequences as fit in `sctx.recompute_chunk_tokens` tokens, at
         least one), so only one chunk's graph is alive at a time, else at once. Returns X_1 = Y_1 - F(X_2)
-        and dX_2 = dY_2 + the gradient F passes to X_2 (`in_place`: in Y_1's and dY_2's buffers)."""
+        and dX_2 = dY_2 + the gradient F passes to X_2 (in Y_1's buffer with `into_y`, dY_2's with `into_d`)."""
         chunks = self._f_chunks(X_2, record, sctx)
         if chunks is None:
             f_X_2, d_f = self._f_recompute(X_2, dY_1, sctx, record)
-            return _inverse_step(Y_1, f_X_2, dY_2, d_f, in_place, keep=(Y_1, X_2, dY_1, dY_2))
-        X_1 = Y_1 if in_place else torch.empty_like(X_2)
-        dX_2 = dY_2 if in_place else torch.empty_like(X_2)
+            return _inverse_step(Y_1, f_X_2, dY_2, d_f, into_y, into_d, keep=(Y_1, X_2, dY_1, dY_2))
+        X_1 = Y_1 if into_y else torch.empty_like(X_2)
+        dX_2 = dY_2 if into_d else torch.empty_like(X_2)
         for i, (span, chunk_ctx) in enumerate(chunks):  # all but the last add to grads more chunks will add to
             f_X_2, d_f = self._f_recompute(X_2[span], dY_1[span], chunk_ctx, record, partial=i + 1 < len(chunks))
             _write_step(Y_1[span], f_X_2, dY_2[span], d_f, X_1[span], dX_2[span])
@@ -302,11 +307,11 @@ class RevBlock(nn.Module):
         return f_X_2.detach(), grad
 
     def _g_backward(self, Y_1, Y_2, dY_1, dY_2, sctx: StackContext, record: SubBlockRecord, d_aux,
-                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    into_y: bool, into_d: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """G(Y_1) recomputed and dY_2 back-propagated through it: by chunks of
         `sctx.recompute_chunk_tokens` token rows where `_g_splits` allows, so only one chunk's graph
         is alive at a time, else at once. Returns X_2 = Y_2 - G(Y_1) and dY_1 + the gradient G passes
-        to Y_1 (that gradient alone when dY_1 is None); `in_place`: in Y_2's and dY_1's buffers.
+        to Y_1 (that gradient alone when dY_1 is None): in Y_2's buffer with `into_y`, dY_1's with `into_d`.
 
         Each chunk runs G on rows a..b of the flattened (B*T, width) stream, as a (1, b-a, width)
         sequence, replaying rows a..b of every recorded choice, with the context's per-token tensors
@@ -316,10 +321,10 @@ class RevBlock(nn.Module):
         n = sctx.recompute_chunk_tokens
         if not self._g_splits(Y_1, record, n):
             g_Y_1, d_g = self._g_recompute(Y_1, dY_2, sctx, record, d_aux)
-            return _inverse_step(Y_2, g_Y_1, dY_1, d_g, in_place, keep=(Y_1, Y_2, dY_1, dY_2))
+            return _inverse_step(Y_2, g_Y_1, dY_1, d_g, into_y, into_d, keep=(Y_1, Y_2, dY_1, dY_2))
         width = Y_1.shape[-1]
-        X_2 = Y_2 if in_place else torch.empty_like(Y_2, memory_format=torch.contiguous_format)
-        dY_1_out = dY_1 if in_place and dY_1 is not None else torch.empty_like(X_2)
+        X_2 = Y_2 if into_y else torch.empty_like(Y_2, memory_format=torch.contiguous_format)
+        dY_1_out = dY_1 if into_d else torch.empty_like(X_2)
         rows_of = lambda t: None if t is None else t.reshape(-1, width)  # noqa: E731
         Y_rows, Y_2_rows, dY_1_rows, dY_2_rows = map(rows_of, (Y_1, Y_2, dY_1, dY_2))
         X_2_rows, dY_1_out_rows = X_2.view(-1, width), dY_1_out.view(-1, width)
@@ -374,13 +379,11 @@ def _owns(buffer: torch.Tensor, other: torch.Tensor, keep) -> bool:
             and not _shares_storage(buffer, keep))
 
 
-def _own_buffers(*streams: torch.Tensor | None) -> bool:
-    """Whether the streams (None aside) can each take a result in place, row by row: contiguous, not views,
-    the same shape and dtype, and no two sharing a storage."""
-    ts = [t for t in streams if t is not None]
-    return (all(t.is_contiguous() and t._base is None and t.shape == ts[0].shape and t.dtype == ts[0].dtype
-                for t in ts)
-            and len({t.untyped_storage().data_ptr() for t in ts}) == len(ts))
+def _own_buffers(*streams: torch.Tensor) -> bool:
+    """Whether the streams can each take a result in place, row by row: contiguous, not views, all of one shape
+    and dtype."""
+    return all(t.is_contiguous() and t._base is None and t.shape == streams[0].shape
+               and t.dtype == streams[0].dtype for t in streams)
 
 
 def _write_step(y, f, d, d_f, x_out, d_out) -> None:
@@ -394,11 +397,11 @@ def _write_step(y, f, d, d_f, x_out, d_out) -> None:
         torch.add(d_f, d, out=d_out)
 
 
-def _inverse_step(y, f, d, d_f, in_place: bool, keep) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y - f, d + d_f) for a sub-block recomputed whole: in y's and d's buffers (`in_place`), else in the
-    buffers of its own output f and input gradient d_f where it `_owns` them, else new ones."""
-    x_out = y if in_place else (f if _owns(f, y, keep) else torch.empty_like(y))
-    d_out = d if in_place and d is not None else (d_f if _owns(d_f, y, keep) else torch.empty_like(y))
+def _inverse_step(y, f, d, d_f, into_y: bool, into_d: bool, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y - f, d + d_f) for a sub-block recomputed whole: in y's buffer (`into_y`) and d's (`into_d`), else in
+    the buffers of its own output f and input gradient d_f where it `_owns` them, else in new ones."""
+    x_out = y if into_y else (f if _owns(f, y, keep) else torch.empty_like(y))
+    d_out = d if into_d else (d_f if _owns(d_f, y, keep) else torch.empty_like(y))
     _write_step(y, f, d, d_f, x_out, d_out)
     return x_out, d_out
 
@@ -481,10 +484,16 @@ class RevStackFunction(torch.autograd.Function):
         saved = iter(rest[ctx.n_ctx :])
         per_block = [[SubBlockRecord.from_layout(x, saved) for x in layouts] for layouts in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable
-        for i, (block, records) in enumerate(zip(reversed(ctx.blocks), reversed(per_block))):
-            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(  # below the top block the streams are its own buffers
-                Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux if use_aux else None, owned=i > 0
+        # The saved outputs are read by no one else once the graph above the stack has run (a second backward
+        # through the same graph, retain_graph=True, then stops on autograd's in-place check); autograd's
+        # incoming gradients are not this backward's to overwrite. Below the top block every stream is one of
+        # this backward's buffers.
+        owned = (True, True, False, False)
+        for block, records in zip(reversed(ctx.blocks), reversed(per_block)):
+            Y_1, Y_2, dY_1, dY_2 = block.backward_pass(
+                Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux if use_aux else None, owned=owned
             )
+            owned = (True,) * 4
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, Y_1, Y_2)
         return dY_1, dY_2, None, None, None

@@ -298,11 +298,10 @@ def test_chunk_of_all_tokens_or_more_is_the_whole_recomputation():
 
 
 @pytest.mark.parametrize("chunk", [0, CHUNK])
-def test_lower_blocks_rebuild_their_inputs_in_place(monkeypatch, chunk):
-    """Below the top block, each block's backward writes X_1, X_2 and their gradients into the buffers of
-    Y_1, Y_2 and theirs (no new stream: the backward holds two to four streams fewer), with the same bits
-    as separate buffers; the top block's inputs (the stack's saved outputs, autograd's gradients) are
-    never written."""
+def test_blocks_rebuild_their_inputs_in_place(monkeypatch, chunk):
+    """Each block's backward writes X_1 and X_2 into the buffers of Y_1 and Y_2 (the top block's are the stack's
+    saved outputs) and, below the top block, their gradients into those of dY_1 and dY_2: no new stream, with the
+    same bits as separate buffers. Autograd's incoming gradients (the top block's dY) are never written."""
     model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3))
     model.train()
     ids, mask = _batch()
@@ -311,18 +310,20 @@ def test_lower_blocks_rebuild_their_inputs_in_place(monkeypatch, chunk):
     seen = []
 
     def recording(force_copy):
-        def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux=None, owned=False):
-            ptrs = [t.untyped_storage().data_ptr() for t in (Y_1, Y_2, dY_1, dY_2)]
-            out = original(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux, owned=owned and not force_copy)
+        def backward_pass(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux=None, owned=(False,) * 4):
+            ptrs = [None if t is None else t.untyped_storage().data_ptr() for t in (Y_1, Y_2, dY_1, dY_2)]
+            owned = (False,) * 4 if force_copy else owned
+            out = original(self, Y_1, Y_2, dY_1, dY_2, sctx, records, d_aux, owned=owned)
             seen.append((owned, ptrs, [t.untyped_storage().data_ptr() for t in out]))
             return out
         return backward_pass
 
     monkeypatch.setattr(block_cls, "backward_pass", recording(force_copy=False))
     g_in_place, _ = _grads(model, ids, mask, chunk)
-    assert [owned for owned, _, _ in seen] == [False, True, True]
-    top, *lower = seen
-    assert not set(top[1]) & set(top[2])  # the top block's results are new buffers
+    assert [owned for owned, _, _ in seen] == [(True, True, False, False)] + [(True,) * 4] * 2
+    (_, top_in, top_out), *lower = seen
+    assert top_out[:2] == top_in[:2]  # X_1, X_2 in the saved outputs' buffers
+    assert not set(top_out[2:]) & set(top_in)  # the gradients in new ones
     for _, ptrs_in, ptrs_out in lower:
         assert ptrs_out == ptrs_in  # X_1 in Y_1's buffer, X_2 in Y_2's, dX_1 in dY_1's, dX_2 in dY_2's
     seen.clear()
@@ -331,3 +332,15 @@ def test_lower_blocks_rebuild_their_inputs_in_place(monkeypatch, chunk):
     assert all(not set(p_in) & set(p_out) for _, p_in, p_out in seen)  # the control did allocate
     assert g_in_place.keys() == g_copied.keys()
     assert all(torch.equal(g_in_place[n], g_copied[n]) for n in g_copied)
+
+
+def test_a_second_backward_through_the_stack_stops_loudly():
+    """The backward rebuilds the streams in the saved outputs' buffers, so the graph serves one backward:
+    retain_graph=True and a second backward stop on autograd's in-place check, not with wrong gradients."""
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
+    model.train()
+    ids, mask = _batch()
+    loss = model(ids, attention_mask=mask, labels=ids, return_logits=False).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
