@@ -194,13 +194,17 @@ def timeline_section(rows: list[dict]) -> list[str]:
         gap = v["peak_mib"] - c["peak_mib"]
         held = {k: (v["at_peak_mib"].get(k, 0), c["at_peak_mib"].get(k, 0)) for k in ("autograd_detail", "temporary")}
         lines += ["", f"- RevFFN peaks {abs(gap):.1f} MiB {'above' if gap > 0 else 'below'} revffn's checkpointing. "
-                  f"Its adapters add +{d['parameter']:.1f} MiB of parameters, {d['optimizer_state']:+.1f} of AdamW "
-                  f"state and {d['gradient']:+.1f} of gradients (frozen in stage 2, the default since stop 43, the "
-                  "skips keep their weights and drop their gradients and moments); against that, at the peak "
-                  f"checkpointing holds {held['autograd_detail'][1]:.1f} MiB of autograd's saved tensors and "
+                  f"Its adapters (the skips; P_down is folded into the layers) add +{d['parameter']:.1f} MiB of "
+                  "parameters and, frozen in stage 2 (the default since stop 43), no gradient or AdamW state: RevFFN "
+                  f"trains {v['trainable_params'] / 1e6:.2f} M parameters (its routers frozen), checkpointing "
+                  f"{c['trainable_params'] / 1e6:.2f} M (AdamW state {d['optimizer_state']:+.1f} MiB). The gradients "
+                  f"at the peak differ by {d['gradient']:+.1f} MiB "
+                  "only by when the peak falls: inside layer 0's backward, after more of its gradients are "
+                  "complete in RevFFN's case. Against the adapters, at the peak checkpointing holds "
+                  f"{held['autograd_detail'][1]:.1f} MiB of autograd's saved tensors and "
                   f"{held['temporary'][1]:.1f} of temporaries, RevFFN {held['autograd_detail'][0]:.1f} and "
                   f"{held['temporary'][0]:.1f} (one chunk's recompute). Both peaks fall at the end of backward "
-                  f"({c['peak_at']:.2f} and {v['peak_at']:.2f} of the step), when every gradient is allocated."]
+                  f"({c['peak_at']:.2f} and {v['peak_at']:.2f} of the step)."]
         if ("revffn", True) in by:
             b = by[("revffn", True)]
             lines.append(f"- With the optimizer stepped in backward each gradient is freed as soon as it is "
@@ -297,8 +301,16 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "thread: RevFFN 435.9 MiB trained, 411.5 frozen, against the peer's checkpointing 392.3, with "
               "4096-token chunks; static 336.4 and 312.4 MiB against 304.8: the frozen adapters' weights remain, "
               "their gradients and AdamW moments go).",
+              "- Stop 45: each block's backward rebuilds its inputs and their gradients in the buffers of its "
+              "outputs and theirs (the top block's are the stack's saved outputs; docs/engine.md, \"Streams rebuilt in "
+              "place\"): up to four fewer (B, T, 256) fp32 streams alive in backward, 2 MiB each at seq 512, 16 at "
+              "4096. The same commands took RevFFN's peak from 394.9 to 389.1 MiB at seq 512 (1.007x the peer's "
+              "to 0.993x), 413.5 to 399.4 at 1024, 460.0 to 420.1 at 2048 (0.729x to 0.666x) and 565.8 to 524.2 "
+              "at 4096 (0.567x to 0.526x); the chunk sweep's default rows 385.6 to 379.4 and 450.5 to 410.6. With "
+              "the optimizer stepped in backward the seq-2048 peak falls earlier in the step and stays 400.9.",
               "- The 16-layer bench's revffn row calibrates (the default `adapter_init`) and the chunk sweep's does "
-              "not. Side by side (`revffn bench --model tiny-qwen2-moe --methods "
+              "not (at stop 45: 389.0 against 379.4 MiB at seq 512). Stop 44, side by side (`revffn bench --model "
+              "tiny-qwen2-moe --methods "
               "revffn,revffn:revffn.adapter_init=coordinate --hidden 256 --batch 4 --seq 512 --layers 16 --steps 2 "
               "--threads 1`) the calibrated step peaks 9.3 MiB higher, 394.9 against 385.6 MiB, with the same "
               "tensors alive (329 storages, 92.2 MiB, after the build): the calibrated process keeps 21 MiB more "
@@ -319,10 +331,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "- *saved for backward* is what autograd holds after one forward (parameters excluded, unique "
               "storages); revffn's routing records (one byte per token, choice and MoE layer) are listed apart. "
               "The `(est.)` values are `revffn estimate` for the same configuration.",
-              "- Stop 44 ran the page's benches two at a time, one per core (each method process one thread): "
-              "every tokens/s figure reads lower than on an idle machine (RevFFN at seq 2048 in 1024-token chunks: "
-              "183 tokens/s here, 276 alone the same day), and a ratio compares rows of one sweep, run under the "
-              "same load.",
+              "- Stops 44 and 45 ran the page's benches two at a time, one per core (each method process one "
+              "thread): tokens/s read lower than on an idle machine (stop 44: RevFFN at seq 2048 in 1024-token "
+              "chunks 183 tokens/s, 276 alone the same day; stop 45: 277), and a ratio compares rows of one sweep, "
+              "run under the same load.",
               f"- tokens/s are medians over the timed steps on {threads} threads of a small shared VM: expect 10-20% "
               "of noise between runs (the first timed step after the warm-up is often slower for the "
               "methods that hold the most memory; the sweep times a single step, so its tokens/s are rougher "

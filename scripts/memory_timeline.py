@@ -52,7 +52,7 @@ def timeline(method: str, seq: int, overrides: list[str], layers: int = 16, hidd
     return {"method": method, "seq": seq, "set": overrides, "peak_mib": round(totals[peak] / 2**20, 1),
             "peak_at": round((times[peak] - times[0]) / max(times[-1] - times[0], 1), 3),
             "at_peak_mib": {NAMES[i]: round(v / 2**20, 1) for i, v in enumerate(sizes[peak]) if v and i in NAMES},
-            "trainable_params": sum(p.numel() for p in run.params)}
+            "trainable_params": sum(p.numel() for p in run.params if p.requires_grad)}
 
 
 # docs/benchmarks.md's set: revffn's checkpointing, RevFFN, and both with the optimizer stepped in backward (RevFFN's

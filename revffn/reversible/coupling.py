@@ -388,13 +388,15 @@ def _own_buffers(*streams: torch.Tensor) -> bool:
 
 def _write_step(y, f, d, d_f, x_out, d_out) -> None:
     """One chunk of the inverse step: x_out = y - f and d_out = d + d_f (d_f alone when d is None). `x_out`
-    may be `y` itself and `d_out` `d` itself (in place) or `f` and `d_f`: the same bits either way."""
-    torch.sub(y, f, out=x_out)
-    if d is None:
-        if d_out is not d_f:
-            d_out.copy_(d_f)
-    else:
-        torch.add(d_f, d, out=d_out)
+    may be `y` itself and `d_out` `d` itself (in place) or `f` and `d_f`: the same bits either way. Under
+    `no_grad`: the saved outputs require grad, and a double backward (create_graph) runs with grad enabled."""
+    with torch.no_grad():
+        torch.sub(y, f, out=x_out)
+        if d is None:
+            if d_out is not d_f:
+                d_out.copy_(d_f)
+        else:
+            torch.add(d_f, d, out=d_out)
 
 
 def _inverse_step(y, f, d, d_f, into_y: bool, into_d: bool, keep) -> tuple[torch.Tensor, torch.Tensor]:
