@@ -2,15 +2,18 @@
 docs/bench_in_backward/sweep.json, docs/bench_chunks/sweep.json, docs/bench_fold/sweep.json and
 docs/memory_timeline.json.
 
-    python scripts/benchmarks_page.py [BENCH_DIR] [PAGE] [PEER_SWEEP_DIR]
+    python scripts/benchmarks_page.py --run                              # run every bench, then write the page
+    python scripts/benchmarks_page.py [BENCH_DIR] [PAGE] [PEER_SWEEP_DIR]  # write the page from the JSON there
 
-The page opens with the commands that regenerate it, checks the issue's targets against the
-measured numbers, and embeds the rendered tables and plots (`revffn.reports.render.bench`).
+The page opens with the commands that regenerate it (what `--run` runs, one after the other), checks the
+issue's targets against the measured numbers, and embeds the rendered tables and plots (`revffn.reports.render.bench`).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -219,7 +222,8 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
     meta, info = bench["meta_info"], bench["run_info"]
     threads = meta.get("torch_threads")
     lines = ["# Benchmarks", "",
-             "Regenerate this page (CPU; on an otherwise idle machine; about 30 minutes on 2 cores):",
+             "Regenerate this page with one command, `python scripts/benchmarks_page.py --run` (CPU, on an otherwise "
+             "idle machine; about 70 minutes on 2 cores), which runs these one after the other:",
              "", "```bash", *COMMANDS, "```", "",
              f"Measured on {meta.get('cpu')} ({meta.get('cpu_count')} cores), **{threads} torch threads** per method "
              f"process, torch {meta.get('torch')}, transformers {meta.get('transformers')}, peft {meta.get('peft')}; "
@@ -354,7 +358,19 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
     return "\n".join(lines)
 
 
+def run_all(run=subprocess.run) -> None:
+    """Every bench command of the page, one after the other, from the repository root (`python` is this
+    interpreter); the page itself is written after them."""
+    for command in COMMANDS[:-1]:
+        print(f"+ {command}", flush=True)
+        args = shlex.split(command)
+        run([sys.executable, *args[1:]] if args[0] == "python" else args, cwd=ROOT, check=True)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--run"]:
+        run_all()
+        argv = argv[1:]
     bench_dir = Path(argv[0]) if argv else ROOT / "docs" / "bench"
     out = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "benchmarks.md"
     bench = json.loads((bench_dir / "bench.json").read_text())
