@@ -49,6 +49,9 @@ from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
 STREAM_WIDTHS = ("half", "full")
+# the streams' dtypes: float32 (the default), bfloat16 (half the bytes, inexact), float64 (twice the bytes: exact
+# reconstruction on a deep pretrained model whose fp32 streams are not, docs/engine.md)
+STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe", "p_skip_attn", "p_skip_moe")
 LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 

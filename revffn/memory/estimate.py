@@ -56,7 +56,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # states per trainable par
 # Adafactor (factored: see `_adafactor_bytes`)
 QUANTIZED_STATE_BYTES = {"adamw8bit": 2 * (1 + 4 / 256), "adamw4bit": 2 * (0.5 + 4 / 128)}
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8, "fp64": 8}
 OVERHEAD = 0.05
 DISTRIBUTED = ("none", "ddp", "fsdp")
 MAX_GPUS = 1024  # the most GPUs `gpus_needed` tries

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from revffn.archs.spec import get_path
-from revffn.conversion.convert import ADAPTER_INITS, STREAM_WIDTHS, RevFFNForCausalLM, convert
+from revffn.conversion.convert import ADAPTER_INITS, STREAM_DTYPES, STREAM_WIDTHS, RevFFNForCausalLM, convert
 from revffn.conversion.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.conversion.loss import distill_kl
 from revffn.conversion.teacher import student_hidden, teacher_hidden
@@ -70,8 +70,10 @@ class RevFFNMethod(Method):
                               "states (the quickstart, 3 seeds at 4096-token chunks: 95 % exact match against "
                               "69 %, retention 6.14 against 8.42, docs/results.md; SmolLM2 forgets less at the same "
                               "task score: docs/conversion.md)"),
-        "stream_dtype": Key(str, "float32", "dtype of the residual streams (float32 keeps backward exact)",
-                            choices=("float32", "bfloat16")),
+        "stream_dtype": Key(str, "float32", "dtype of the residual streams: float32 keeps backward exact on the "
+                            "tiny presets; float64 (twice the stream bytes) on a deep pretrained model with massive "
+                            "activations, where float32's rounding compounds (SmolLM2: layer 0's gradient 76 % off, "
+                            "docs/engine.md)", choices=("float32", "bfloat16", "float64")),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
         "adapter_skip": Key(bool, True, "add a linear skip to each branch (F(X_2) += P_skip X_2, G alike), as wide "
                             "as a stream: the residual path the coupling cuts; false: P_up / P_down only"),
@@ -197,7 +199,7 @@ class RevFFNMethod(Method):
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         """Convert (and calibrate) `hf_model`; a model `revffn convert` wrote is already converted: kept as is."""
-        dtype = torch.float32 if self.opts["stream_dtype"] == "float32" else torch.bfloat16
+        dtype = STREAM_DTYPES[self.opts["stream_dtype"]]
         if isinstance(hf_model, RevFFNForCausalLM):
             self.converted_from = self.cfg.model
             hf_model.stream_dtype = dtype

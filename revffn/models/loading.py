@@ -344,10 +344,10 @@ def converted_skeleton(root: Path, hf):
     """The `RevFFNForCausalLM` a converted directory holds, built around `hf` (the base model from its config, in
     the dtype to load: from_config would take the config's own, bf16 for builtin:base, and round the weights), its
     weights not yet read: `load` reads them whole, sharded loading (`models.sharded`) each rank its rows."""
-    from revffn.conversion.convert import convert
+    from revffn.conversion.convert import STREAM_DTYPES, convert
 
     manifest = json.loads((Path(root) / "revffn.json").read_text())
-    stream = torch.float32 if manifest.get("stream_dtype", "float32") == "float32" else torch.bfloat16
+    stream = STREAM_DTYPES.get(manifest.get("stream_dtype", "float32"), torch.bfloat16)
     return convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
                    adapter_skip=bool(converted_option(str(root), "adapter_skip")),
                    stream_width=converted_option(str(root), "stream_width"))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from revffn.conversion.causal_lm import CausalLM
-from revffn.conversion.convert import STREAM_WIDTHS, convert
+from revffn.conversion.convert import STREAM_DTYPES, STREAM_WIDTHS, convert
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
@@ -37,7 +37,7 @@ from revffn.methods.calibration import calibrate_model, check_source, log_line
 from revffn.models.cache import check_replaceable
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
-from revffn.models.loading import check_model_ref, is_converted, load_hf, parse_dtype
+from revffn.models.loading import check_model_ref, is_converted, load_hf
 from revffn.models.presets import TINY_PRESETS
 from revffn.progress import progress
 from revffn.training.config import load_config
@@ -85,7 +85,9 @@ def validate(spec: ConvertSpec):
     check_model_ref(spec.model, "MODEL")
     if is_converted(spec.model, "MODEL"):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
-    parse_dtype(spec.stream_dtype, "--stream-dtype")
+    if spec.stream_dtype not in STREAM_DTYPES:
+        raise UserError(f"--stream-dtype: unknown dtype {spec.stream_dtype!r}. Fix: use one of "
+                        f"{', '.join(STREAM_DTYPES)}.")
     convert_device(spec.device)
     if spec.stream_width not in STREAM_WIDTHS:
         raise UserError(f"--stream-width: unknown width {spec.stream_width!r}. Fix: one of {', '.join(STREAM_WIDTHS)}.")
@@ -125,7 +127,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     gap: dict = {"data": data}
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
-    model = convert(hf, adapter_init="calibrated", stream_dtype=parse_dtype(spec.stream_dtype),
+    model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES[spec.stream_dtype],
                     adapter_skip=spec.adapter_skip, stream_width=spec.stream_width).eval()
     if data:
         gap["coordinate"] = retention_loss(model, tokenizer, data)

@@ -140,6 +140,25 @@ def test_recompute_chunk_tokens_reaches_the_backward_and_the_estimate():
         assert cls.estimate_options(cfg.section("revffn"))["recompute_chunk_tokens"] == chunk
 
 
+def test_float64_streams_train_as_float32_streams_where_those_are_exact():
+    """revffn.stream_dtype=float64 (exact on a deep pretrained model, tests/models/test_smollm2.py): the streams
+    are float64, the sub-blocks still compute in the weights' float32, and on the tiny model, where float32
+    streams rebuild exactly, two training steps give the same losses and weights (within fp32 rounding)."""
+    results = {}
+    for dtype in ("float32", "float64"):
+        _, run = _run("revffn.adapter_warmup_steps=0", f"revffn.stream_dtype={dtype}")
+        assert run.model.stream_dtype == getattr(torch, dtype)
+        losses = [float(train_step(run, i, [batch(vocab=500, seed=i)]).loss_sum) for i in range(2)]
+        results[dtype] = losses, {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        assert all(p.dtype == torch.float32 for p in run.model.parameters())
+    (l32, w32), (l64, w64) = results["float32"], results["float64"]
+    assert l32 == pytest.approx(l64, rel=1e-6)
+    assert max((w32[n] - w64[n]).abs().max().item() for n in w32) <= 1e-6
+    cls = method_class("revffn")
+    cfg = load_config(None, [*TINY, "revffn.adapter_warmup_steps=0", "revffn.stream_dtype=float64"])
+    assert cls.estimate_options(cfg.section("revffn"))["stream_dtype"] == "float64"
+
+
 @pytest.mark.integration
 def test_heal_stage_resumes_exactly(tmp_path):
     """Heal steps 1-4 on `self` text, joint steps 5-6 with distillation; resumed from step 3."""

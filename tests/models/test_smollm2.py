@@ -90,6 +90,24 @@ def test_check_passes_on_the_moe(wheel):
         assert report["fp64_streams"]["max_rel_grad_error"] <= 1e-5, report
 
 
+def test_fp32_streams_drift_on_the_real_depth_and_fp64_streams_rebuild_exactly(wheel):
+    """All 30 layers of the real model (coordinate init, random tokens): fp32 streams' rounding, on streams three
+    orders above 1 (the massive activations), compounds through the rebuild to a gradient well off the plain twin's,
+    and `revffn check` says so (exit 1); float64 streams rebuild every layer's input bitwise, so the reversible
+    gradient is the plain one exactly (the sub-blocks compute in fp32 from the same fp32-cast inputs)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-m", "revffn", "check", "--model", "builtin:smollm2", "--batch", "2", "--seq", "64",
+            "--json"]
+    fp32 = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    report = json.loads(fp32.stdout.strip().splitlines()[-1])
+    assert fp32.returncode == 1 and not report["passed"], report
+    assert report["max_rel_grad_error"] > 1e-2, report
+    exact = json.loads(revffn("check", "--model", "builtin:smollm2", "--batch", "2", "--seq", "64",
+                              "--stream-dtype", "float64", "--json").stdout)
+    assert exact["passed"] and exact["stream_dtype"] == "float64", exact
+    assert exact["max_reconstruction_error"] == 0.0 and exact["max_rel_grad_error"] == 0.0, exact
+
+
 def test_the_gguf_file_is_a_model_reference_relative_and_absolute(wheel, docs, dense_loss, tmp_path, monkeypatch):
     """The GGUF itself (copied aside: a user's own file) gives builtin:smollm2's loss; a path relative to the working
     directory names the same dequantized entry (resolved in-process: the same directory the CLI then loads)."""

@@ -33,7 +33,7 @@ WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
 class RevFFNConfig(PreTrainedConfig):
     """Attributes:
     text_config: the base HF model's config (a dict in config.json).
-    stream_dtype: dtype of the two residual streams ("float32" or "bfloat16").
+    stream_dtype: dtype of the two residual streams ("float32", "bfloat16" or "float64").
     adapter_skip: the blocks have the d/2 x d/2 skip adapters (`revffn.adapter_skip`; absent in
         directories written before them: False).
     stream_width: "half" (the paper's two d/2 streams) or "full" (two d-wide ones); absent in directories
