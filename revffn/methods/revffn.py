@@ -73,7 +73,7 @@ class RevFFNMethod(Method):
         "stream_dtype": Key(str, "float32", "dtype of the residual streams: float32 keeps backward exact on the "
                             "tiny presets; float64 (twice the stream bytes) on a deep pretrained model with massive "
                             "activations, where float32's rounding compounds (SmolLM2: layer 0's gradient 76 % off, "
-                            "docs/engine.md)", choices=("float32", "bfloat16", "float64")),
+                            "docs/engine.md)", choices=tuple(STREAM_DTYPES)),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
         "adapter_skip": Key(bool, True, "add a linear skip to each branch (F(X_2) += P_skip X_2, G alike), as wide "
                             "as a stream: the residual path the coupling cuts; false: P_up / P_down only"),

@@ -325,8 +325,8 @@ class RevBlock(nn.Module):
         width = Y_1.shape[-1]
         X_2 = Y_2 if into_y else torch.empty_like(Y_2, memory_format=torch.contiguous_format)
         dY_1_out = dY_1 if into_d else torch.empty_like(X_2)
-        rows_of = lambda t: None if t is None else t.reshape(-1, width)  # noqa: E731
-        Y_rows, Y_2_rows, dY_1_rows, dY_2_rows = map(rows_of, (Y_1, Y_2, dY_1, dY_2))
+        Y_rows, Y_2_rows, dY_1_rows, dY_2_rows = (None if t is None else t.reshape(-1, width)
+                                                   for t in (Y_1, Y_2, dY_1, dY_2))
         X_2_rows, dY_1_out_rows = X_2.view(-1, width), dY_1_out.view(-1, width)
         spans = [slice(a, min(a + n, len(Y_rows))) for a in range(0, len(Y_rows), n)]
         for i, rows in enumerate(spans):  # every chunk but the last adds to parameter grads more will follow
