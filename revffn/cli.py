@@ -78,7 +78,7 @@ def _heal_lr(s: str) -> float | None:
 
 
 def cmd_check(args) -> int:
-    from revffn.conversion.convert import STREAM_DTYPES
+    from revffn.conversion.convert import AUTO, STREAM_DTYPES
     from revffn.models.loading import model_kind, parse_dtype
     from revffn.reports.check import format_report, run_check
 
@@ -90,7 +90,7 @@ def cmd_check(args) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
-                       stream_dtype=STREAM_DTYPES[args.stream_dtype], device=args.device, hidden=args.hidden,
+                       stream_dtype=STREAM_DTYPES.get(args.stream_dtype, AUTO), device=args.device, hidden=args.hidden,
                        stream_width=args.stream_width)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
@@ -372,8 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="tiny-qwen2-moe", help="preset name or local HF directory")
     c.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
     c.add_argument("--dtype", default="float32", help="float32 | bfloat16 (compute; streams: --stream-dtype)")
-    c.add_argument("--stream-dtype", default="float32", choices=["float32", "float64"],
-                   help="the streams' dtype (float64: exact on a deep pretrained model, e.g. builtin:smollm2)")
+    c.add_argument("--stream-dtype", default="auto", choices=["auto", "float32", "float64"],
+                   help="the streams' dtype; auto (training's default): float64 where float32 streams rebuild the "
+                   "layer inputs more than 3e-2 of the stream scale off (a deep pretrained model, e.g. "
+                   "builtin:smollm2), else float32")
     c.add_argument("--batch", type=_positive, default=2)
     c.add_argument("--seq", type=_positive, default=32)
     c.add_argument("--seed", type=_nonnegative, default=0)
@@ -497,8 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "
                    "N heal steps: the heal's curve and its tokens-to-target (base + 0.2 nats, HEAL_TARGET) in "
                    "revffn.json")
-    k.add_argument("--stream-dtype", default="float32", help="float32 | bfloat16 | float64 (the residual "
-                   "streams; float64 rebuilds a deep real model's streams exactly)")
+    k.add_argument("--stream-dtype", default="auto", help="auto | float32 | bfloat16 | float64 (the residual "
+                   "streams; auto: float64 where float32 streams would not rebuild the calibrated model's layer "
+                   "inputs to 3e-2 of the stream scale, as on a deep real model, else float32)")
     k.add_argument("--seed", type=_nonnegative, default=0)
     k.add_argument("--device", default="cpu", help="cpu | cuda | auto: where the model is calibrated, healed "
                    "and measured (a 30-layer model's calibration takes about 30 min on 2 CPU cores)")

@@ -44,7 +44,7 @@ from revffn.archs.layout import (
 from revffn.archs.spec import ArchSpec, config_value, get_path
 from revffn.conversion.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.errors import UserError
-from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, run_stack
+from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, rebuild_errors, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
@@ -52,6 +52,12 @@ STREAM_WIDTHS = ("half", "full")
 # the streams' dtypes: float32 (the default), bfloat16 (half the bytes, inexact), float64 (twice the bytes: exact
 # reconstruction on a deep pretrained model whose fp32 streams are not, docs/engine.md)
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+AUTO = "auto"  # revffn.stream_dtype's default: float32, or float64 where float32's rebuild drifts (`pick_stream_dtype`)
+# float32 streams rebuild a layer's input to this fraction of the stream scale or better, else float64. Measured
+# (`rebuild_errors`, 2 x 64 random tokens, coordinate init): the tiny presets <= 1.4e-5, builtin:base 3.0e-3 (its
+# reversible gradient 2.5e-4 off the plain twin's; 5.8e-3 calibrated), builtin:smollm2-moe 0.19, builtin:smollm2
+# 0.59 (gradient 25 % off). Between the toy base and the real models, 5x from either
+AUTO_REBUILD_TOL = 3e-2
 ADAPTER_PREFIXES = ("p_up_attn", "p_down_attn", "p_up_moe", "p_down_moe", "p_skip_attn", "p_skip_moe")
 LINEAR_MASK = "linear_attention"  # the mask key of linear-attention / SSM / convolution layers (2-D padding mask)
 
@@ -596,6 +602,17 @@ class RevFFNForCausalLM(nn.Module):
                                          self.logits_scale, self.logits_softcap)
         return out
 
+    def rebuild_errors(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[float]:
+        """Per layer, how far the reversible backward's rebuilt input is from the forward's on this batch, in the
+        streams' dtype, relative to the stream scale (`reversible.coupling.rebuild_errors`)."""
+        with torch.no_grad():
+            embeds = get_path(self.hf, self.spec.embed)(input_ids) * self.embed_scale
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            sctx = self._context(embeds, attention_mask, position_ids)
+            sctx.aux = None
+            X_1, X_2 = self.split(embeds)
+            return rebuild_errors(list(self.blocks), X_1, X_2, sctx)
+
     def routing_flips(self) -> int:
         """Choices (a token's top-k, a row's max ...) that the rebuilt input would have made
         differently from the record, summed over the sub-blocks, in the last reversible backward
@@ -604,6 +621,32 @@ class RevFFNForCausalLM(nn.Module):
 
     def adapter_parameters(self):
         return [p for n, p in self.named_parameters() if n.rsplit(".", 2)[-2] in ADAPTER_PREFIXES]
+
+
+def pick_stream_dtype(model: RevFFNForCausalLM, seed: int = 0, reduce=None) -> dict:
+    """`stream_dtype: auto`: set `model.stream_dtype` to float32, or to float64 where float32 streams rebuild some
+    layer's input (`RevFFNForCausalLM.rebuild_errors`, 2 x 64 random tokens of `seed`, eval mode: the same tokens
+    whatever the run's seed, so every seed of a study picks alike) further than
+    `AUTO_REBUILD_TOL` of the stream scale. float64 streams rebuild every input bitwise on the models measured (the
+    sub-blocks compute in their own dtype from the same inputs) at twice the stream bytes (docs/engine.md).
+    `reduce` (a tensor's max across processes, in place) keeps every process of a job on one choice.
+    Returns the choice and the measured float32 error."""
+    model.stream_dtype = torch.float32
+    device = next(model.parameters()).device
+    ids = torch.randint(3, model.hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
+    was_training = model.training
+    model.eval()
+    try:
+        errors = model.rebuild_errors(ids.to(device))
+    finally:
+        model.train(was_training)
+    worst = torch.tensor(max(errors), dtype=torch.float64, device=device)
+    if reduce is not None:
+        reduce(worst)
+    chosen = "float64" if not worst.item() <= AUTO_REBUILD_TOL else "float32"  # NaN: float64
+    model.stream_dtype = STREAM_DTYPES[chosen]
+    return {"stream_dtype": chosen, "float32_rebuild_error": worst.item(),
+            "worst_layer": max(range(len(errors)), key=errors.__getitem__), "tolerance": AUTO_REBUILD_TOL}
 
 
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,

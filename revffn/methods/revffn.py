@@ -33,7 +33,15 @@ import torch
 from torch import nn
 
 from revffn.archs.spec import get_path
-from revffn.conversion.convert import ADAPTER_INITS, STREAM_DTYPES, STREAM_WIDTHS, RevFFNForCausalLM, convert
+from revffn.conversion.convert import (
+    ADAPTER_INITS,
+    AUTO,
+    STREAM_DTYPES,
+    STREAM_WIDTHS,
+    RevFFNForCausalLM,
+    convert,
+    pick_stream_dtype,
+)
 from revffn.conversion.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
 from revffn.conversion.loss import distill_kl
 from revffn.conversion.teacher import student_hidden, teacher_hidden
@@ -43,7 +51,7 @@ from revffn.data.collate import data_shard, shard_rows
 from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
-from revffn.models.hf_remote import save_converted
+from revffn.models.hf_remote import dtype_name, save_converted
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -70,10 +78,12 @@ class RevFFNMethod(Method):
                               "states (the quickstart, 3 seeds at 4096-token chunks: 95 % exact match against "
                               "69 %, retention 6.14 against 8.42, docs/results.md; SmolLM2 forgets less at the same "
                               "task score: docs/conversion.md)"),
-        "stream_dtype": Key(str, "float32", "dtype of the residual streams: float32 keeps backward exact on the "
-                            "tiny presets; float64 (twice the stream bytes) on a deep pretrained model with massive "
-                            "activations, where float32's rounding compounds (SmolLM2: layer 0's gradient 76 % off, "
-                            "docs/engine.md)", choices=tuple(STREAM_DTYPES)),
+        "stream_dtype": Key(str, AUTO, "dtype of the residual streams: auto measures, once the adapters are set, "
+                            "how far float32 streams rebuild each layer's input from the top (2 x 64 random tokens) "
+                            "and takes float64 (twice the stream bytes) where that is over 3e-2 of the stream scale: "
+                            "on a deep pretrained model with massive activations float32's rounding compounds "
+                            "(SmolLM2: layer 0's gradient 76 % off); float32 elsewhere (docs/engine.md)",
+                            choices=(AUTO, *STREAM_DTYPES)),
         "adapter_init": Key(str, "calibrated", "projection adapter init", choices=ADAPTER_INITS),
         "adapter_skip": Key(bool, True, "add a linear skip to each branch (F(X_2) += P_skip X_2, G alike), as wide "
                             "as a stream: the residual path the coupling cuts; false: P_up / P_down only"),
@@ -126,6 +136,7 @@ class RevFFNMethod(Method):
     reversible = True  # whether the prepared model runs reversibly outside a heal with heal_hidden_coef
     fold_plan: list | None = None  # fold_adapters: the [layer, adapter] pairs folded at stage 2 (None: not yet)
     folded_here = False  # whether this process's model has had fold_plan applied
+    streams: dict | None = None  # stream_dtype auto: the choice and its measured rebuild error (`_pick_streams`)
     STUDY_LR_GRID = (3e-4, 1e-3)  # a full-parameter method: full's grid
     # the defaults (calibrated, heal on self) at the paper's half width: the study of docs/study.md ran on the 4-layer
     # builtin:base at it, which learns the toy tasks faster than full width (the quickstart: 90 % against 62 %)
@@ -199,13 +210,14 @@ class RevFFNMethod(Method):
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         """Convert (and calibrate) `hf_model`; a model `revffn convert` wrote is already converted: kept as is."""
-        dtype = STREAM_DTYPES[self.opts["stream_dtype"]]
+        dtype = STREAM_DTYPES.get(self.opts["stream_dtype"], torch.float32)  # auto: set by `_pick_streams`
         if isinstance(hf_model, RevFFNForCausalLM):
             self.converted_from = self.cfg.model
             hf_model.stream_dtype = dtype
             if self.cfg.router_aux_loss_coef is not None:
                 hf_model.aux_loss_coef = self.cfg.router_aux_loss_coef
             hf_model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
+            self._pick_streams(hf_model)
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
@@ -214,7 +226,25 @@ class RevFFNMethod(Method):
         self.on_meta = next(model.parameters()).is_meta  # sharded loading: the weights come after sharding
         if not self.on_meta:
             self._calibrate(model)
+            self._pick_streams(model)
         return self._prepare_stages(model)
+
+    def _pick_streams(self, model) -> None:
+        """stream_dtype auto: float32 or float64 streams, from the rebuild error of the model as it will start
+        training (adapters calibrated). A resumed run keeps the first run's choice (`state_dict`; applied by
+        `restructure`), measured on the weights it started from."""
+        if self.opts["stream_dtype"] != AUTO or self.resuming:
+            return
+        from revffn.methods.calibration import log_line
+
+        reduce = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            def reduce(t):
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        self.streams = pick_stream_dtype(model, reduce=reduce)
+        log_line(f"stream_dtype auto: float32 streams rebuild the layer inputs to "
+                 f"{self.streams['float32_rebuild_error']:.2g} of the stream scale (tolerance "
+                 f"{self.streams['tolerance']:g}): {self.streams['stream_dtype']} streams")
 
     def _calibrate(self, model) -> None:
         if self.opts["adapter_init"] == "calibrated" and self.resuming:
@@ -242,21 +272,27 @@ class RevFFNMethod(Method):
             for block in model.blocks:
                 init_adapters(block, self.opts["adapter_init"])
             self._calibrate(model)
+            self._pick_streams(model)
 
     def state_dict(self) -> dict:
         """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
         which adapters stage 2 folded (a resume folds the same ones before loading the checkpoint)."""
         return {**({"calibration": self.calibration} if self.calibration else {}),
-                **({"folded": self.fold_plan} if self.fold_plan is not None else {})}
+                **({"folded": self.fold_plan} if self.fold_plan is not None else {}),
+                **({"streams": self.streams} if self.streams else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.calibration = state.get("calibration", self.calibration)
         self.fold_plan = state.get("folded", self.fold_plan)
+        self.streams = state.get("streams", self.streams)
 
     def restructure(self, model, step: int) -> list[nn.Parameter]:
         """fold_adapters: at the first stage-2 step, fold each branch's P_down into its layer (`conversion.fold`),
         or on a resume the ones the checkpoint's run folded. Not with optimizer_offload (torchao's offload wrapper
-        holds a parameter list it cannot drop from) nor at half width (P_down narrows the branch)."""
+        holds a parameter list it cannot drop from) nor at half width (P_down narrows the branch).
+        stream_dtype auto on a resume: the streams the first run picked (`load_state_dict`)."""
+        if self.streams and self.opts["stream_dtype"] == AUTO:
+            model.stream_dtype = STREAM_DTYPES[self.streams["stream_dtype"]]
         if (self.folded_here or not self.opts["fold_adapters"] or self.cfg.optimizer_offload != "none"
                 or self.opts["stream_width"] != "full"
                 or (self.fold_plan is None and self.stage(step) != "joint")):
@@ -423,8 +459,9 @@ class RevFFNMethod(Method):
         save_converted(model, out_dir)
         start = {"converted_from": self.converted_from} if self.converted_from else \
             {"adapter_init": self.opts["adapter_init"]}
-        write_manifest(out_dir, format="revffn", method=self.name, stream_dtype=self.opts["stream_dtype"], **start,
-                       **({"calibration": self.calibration} if self.calibration else {}))
+        write_manifest(out_dir, format="revffn", method=self.name, stream_dtype=dtype_name(model.stream_dtype),
+                       **start, **({"calibration": self.calibration} if self.calibration else {}),
+                       **({"streams": self.streams} if self.streams else {}))
 
     # -- memory estimate ---------------------------------------------------------------------------
     @classmethod
@@ -445,7 +482,9 @@ class RevFFNMethod(Method):
         (max(1, recompute_chunk_tokens // T) of the B). F and G are summed, as without chunking: the
         layer's saved bytes, which the estimate is calibrated on (`tests/memory`)."""
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
-        stream = dtype_bytes(stream_dtype, "stream_dtype")
+        # auto picks float32 or float64 from the weights, which an estimate does not read: counted as float32 (what
+        # it picks at random init, the bench's models), the difference stated
+        stream = dtype_bytes("float32" if stream_dtype == AUTO else stream_dtype, "stream_dtype")
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
         w = m.d // 2 if stream_width == "half" else m.d  # a stream's width
@@ -468,7 +507,9 @@ class RevFFNMethod(Method):
         fit_in = m.d + (w if adapter_skip else 0)  # P_down's input (with its skip's: one joint fit)
         accumulators = 8 * (fit_in * fit_in + fit_in * w + 1)  # fp64 XᵀX, XᵀY, ‖Y‖², the largest fit
         width = "d/2" if stream_width == "half" else "d"
-        notes = (f"revffn: two {stream}-byte {width} streams + routing records ({idx} byte/token/choice, "
+        auto = (f" (stream_dtype auto, counted as float32: +{2 * N * w * 4 / 2**20:.0f} MiB where it picks float64, "
+                "--option stream_dtype=float64)") if stream_dtype == AUTO else ""
+        notes = (f"revffn: two {stream}-byte {width} streams{auto} + routing records ({idx} byte/token/choice, "
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
                     if 0 < recompute_chunk_tokens < N else "")

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from revffn.conversion.convert import convert
+from revffn.conversion.convert import AUTO, convert, pick_stream_dtype
 from revffn.memory.measure import saved_bytes_of_stack
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
@@ -98,9 +98,12 @@ def _flat(grads: dict, names) -> torch.Tensor:
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
               seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
-              stream_dtype: torch.dtype = torch.float32, device: str = "cpu", hidden: int | None = None,
+              stream_dtype: torch.dtype | str = torch.float32, device: str = "cpu", hidden: int | None = None,
               stream_width: str = "full") -> dict:
     """Run the consistency check; returns the report dict (see module docstring).
+
+    `stream_dtype` "auto": what training picks (`pick_stream_dtype`, on the converted model), reported under
+    "streams".
 
     `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;
     `hidden` scales its widths (as `revffn bench --hidden`). `device`: cpu | cuda | auto."""
@@ -120,9 +123,13 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
     with torch.no_grad():
         loss_unconverted = hf32(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
 
+    auto = stream_dtype == AUTO
     conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
-                   stream_dtype=stream_dtype, adapter_skip=True,  # the trained default: the skips' grads too
+                   stream_dtype=torch.float32 if auto else stream_dtype,
+                   adapter_skip=True,  # the trained default: the skips' grads too
                    stream_width=stream_width)
+    streams = pick_stream_dtype(conv) if auto else None
+    stream_dtype = conv.stream_dtype
     conv.train()
     conv.debug.track_routing_flips = True
     with torch.no_grad():
@@ -144,7 +151,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "device": str(dev),
         "dtype": "bfloat16" if low else "float32", "batch": batch, "seq": seq, "seed": seed,
         "adapter_init": adapter_init, "stream_dtype": str(stream_dtype).removeprefix("torch."),
-        "stream_width": stream_width,
+        "stream_width": stream_width, **({"streams": streams} if streams else {}),
         "loss_unconverted": loss_unconverted, "loss_converted": loss_converted,
         "conversion_gap": loss_converted - loss_unconverted,
         "loss_reversible": loss_rev, "loss_plain": loss_plain,
@@ -179,7 +186,12 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
 def format_report(r: dict) -> str:
     lines = [f"revffn check: {r['model']} ({r['model_type']}), {r['layers']} layers, {r['dtype']}, "
-             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}"]
+             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}, "
+             f"{r['stream_dtype']} streams"]
+    if "streams" in r:
+        lines.append(f"  stream_dtype auto: float32 streams rebuild the inputs to "
+                     f"{r['streams']['float32_rebuild_error']:.2g} of the stream scale (tolerance "
+                     f"{r['streams']['tolerance']:g}): {r['streams']['stream_dtype']}")
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
             "max_rel_grad_error", "worst_param", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
             "saved_bytes_plain", "routing_record_bytes", "rng_record_bytes", "stream_scale"]

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from revffn.conversion.causal_lm import CausalLM
-from revffn.conversion.convert import STREAM_DTYPES, STREAM_WIDTHS, convert
+from revffn.conversion.convert import AUTO, STREAM_DTYPES, STREAM_WIDTHS, convert, pick_stream_dtype
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
@@ -63,7 +63,7 @@ class ConvertSpec:
     stream_width: str = "full"
     eval_data: str | None = None
     heal_eval_steps: int = 0  # measure the loss on eval_data every N heal steps (0: only before and after)
-    stream_dtype: str = "float32"
+    stream_dtype: str = AUTO  # auto: float32 or float64, measured once calibrated (`pick_stream_dtype`)
     seed: int = 0
     overwrite: bool = False
     device: str = "cpu"  # cpu | cuda | auto: where the model is calibrated, healed and measured
@@ -85,9 +85,9 @@ def validate(spec: ConvertSpec):
     check_model_ref(spec.model, "MODEL")
     if is_converted(spec.model, "MODEL"):
         raise UserError(f"MODEL: {spec.model!r} is already converted to RevFFN. Fix: give the unconverted base model.")
-    if spec.stream_dtype not in STREAM_DTYPES:
+    if spec.stream_dtype not in (AUTO, *STREAM_DTYPES):
         raise UserError(f"--stream-dtype: unknown dtype {spec.stream_dtype!r}. Fix: use one of "
-                        f"{', '.join(STREAM_DTYPES)}.")
+                        f"{', '.join((AUTO, *STREAM_DTYPES))}.")
     convert_device(spec.device)
     if spec.stream_width not in STREAM_WIDTHS:
         raise UserError(f"--stream-width: unknown width {spec.stream_width!r}. Fix: one of {', '.join(STREAM_WIDTHS)}.")
@@ -127,7 +127,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     gap: dict = {"data": data}
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
-    model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES[spec.stream_dtype],
+    model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES.get(spec.stream_dtype, torch.float32),
                     adapter_skip=spec.adapter_skip, stream_width=spec.stream_width).eval()
     if data:
         gap["coordinate"] = retention_loss(model, tokenizer, data)
@@ -135,6 +135,12 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
                                   "--calibration-data", spec.seed, log, "--calibration-tokens")
     if data:
         gap["calibrated"] = retention_loss(model, tokenizer, data)
+    streams = None
+    if spec.stream_dtype == AUTO:  # the heal and the written model use what the calibrated model needs
+        streams = pick_stream_dtype(model)
+        log(f"--stream-dtype auto: float32 streams rebuild the layer inputs to {streams['float32_rebuild_error']:.2g} "
+            f"of the stream scale (tolerance {streams['tolerance']:g}): {streams['stream_dtype']} streams")
+        spec = replace(spec, stream_dtype=streams["stream_dtype"])
     heal = None
     if spec.heal_steps:
         measure = (lambda: retention_loss(model, tokenizer, data)) if spec.heal_eval_steps else None
@@ -144,7 +150,8 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     if data:
         log("loss on " + data + ": " + ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data"))
     manifest = {"format": "revffn", "method": "revffn", "adapter_init": "calibrated",
-                "stream_dtype": spec.stream_dtype, "converted_from": spec.model, "convert": asdict(spec),
+                "stream_dtype": spec.stream_dtype, **({"streams": streams} if streams else {}),
+                "converted_from": spec.model, "convert": asdict(spec),
                 "conversion_gap": gap, "calibration": calibration, "heal": heal,
                 "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes()}
     _write(model.cpu(), tokenizer, Path(spec.out), manifest)

@@ -159,6 +159,47 @@ def test_float64_streams_train_as_float32_streams_where_those_are_exact():
     assert cls.estimate_options(cfg.section("revffn"))["stream_dtype"] == "float64"
 
 
+def test_stream_dtype_auto_keeps_float32_where_it_rebuilds_and_takes_float64_where_it_drifts(monkeypatch):
+    """The default, auto: on the tiny model float32 streams rebuild each layer's input to far below the tolerance
+    (measured, not zero), so they stay; a model they drift on (here: the tolerance set to 0) gets float64."""
+    from revffn.conversion import convert as convert_module
+
+    _, run = _run("revffn.adapter_warmup_steps=0")
+    assert run.method.opts["stream_dtype"] == "auto"
+    streams = run.method.streams
+    assert streams["stream_dtype"] == "float32" and run.model.stream_dtype == torch.float32
+    assert 0 < streams["float32_rebuild_error"] <= streams["tolerance"] / 100
+    monkeypatch.setattr(convert_module, "AUTO_REBUILD_TOL", 0.0)
+    _, run = _run("revffn.adapter_warmup_steps=0")
+    assert run.method.streams["stream_dtype"] == "float64" and run.model.stream_dtype == torch.float64
+    assert run.method.state_dict()["streams"] == run.method.streams  # what a resume takes back
+
+
+@pytest.mark.integration
+def test_a_resumed_run_keeps_the_streams_auto_picked(tmp_path, monkeypatch):
+    """stream_dtype auto picks once, on the weights the run started from; a resume (whose adapters come from the
+    checkpoint, not a calibration) does not measure again and runs, and exports, the first run's streams."""
+    import json
+
+    from revffn.conversion import convert as convert_module
+
+    args = [*TINY, "model_config={num_hidden_layers: 2, hidden_size: 64}", "revffn.adapter_warmup_steps=2",
+            "data=builtin:reversal_train", "eval_data=null", "max_seq_length=32", "max_steps=4", "save_steps=2"]
+    monkeypatch.setattr(convert_module, "AUTO_REBUILD_TOL", 0.0)  # a model float32 streams drift on
+    assert main(["train", *args, f"output_dir={tmp_path / 'run'}"]) == 0
+    first = json.loads((tmp_path / "run" / "final" / "revffn.json").read_text())
+    assert first["stream_dtype"] == "float64" and first["streams"]["stream_dtype"] == "float64"
+
+    def measured(*a, **k):
+        raise AssertionError("a resumed run measured the streams again")
+
+    monkeypatch.setattr("revffn.methods.revffn.pick_stream_dtype", measured)
+    assert main(["train", *args, f"output_dir={tmp_path / 'resumed'}",
+                 f"resume={tmp_path / 'run' / 'checkpoints' / 'step-2'}"]) == 0
+    resumed = json.loads((tmp_path / "resumed" / "final" / "revffn.json").read_text())
+    assert resumed["stream_dtype"] == "float64" and resumed["streams"] == first["streams"]
+
+
 @pytest.mark.integration
 def test_heal_stage_resumes_exactly(tmp_path):
     """Heal steps 1-4 on `self` text, joint steps 5-6 with distillation; resumed from step 3."""
