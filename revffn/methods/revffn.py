@@ -217,7 +217,6 @@ class RevFFNMethod(Method):
             if self.cfg.router_aux_loss_coef is not None:
                 hf_model.aux_loss_coef = self.cfg.router_aux_loss_coef
             hf_model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
-            self._pick_streams(hf_model)
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
@@ -226,13 +225,12 @@ class RevFFNMethod(Method):
         self.on_meta = next(model.parameters()).is_meta  # sharded loading: the weights come after sharding
         if not self.on_meta:
             self._calibrate(model)
-            self._pick_streams(model)
         return self._prepare_stages(model)
 
     def _pick_streams(self, model) -> None:
         """stream_dtype auto: float32 or float64 streams, from the rebuild error of the model as it will start
-        training (adapters calibrated). A resumed run keeps the first run's choice (`state_dict`; applied by
-        `restructure`), measured on the weights it started from."""
+        training (adapters calibrated or loaded, on its device, sharded or not; `after_load`). A resumed run keeps
+        the first run's choice (`state_dict`; applied by `restructure`), measured on the weights it started from."""
         if self.opts["stream_dtype"] != AUTO or self.resuming:
             return
         from revffn.methods.calibration import log_line
@@ -242,6 +240,8 @@ class RevFFNMethod(Method):
             def reduce(t):
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         self.streams = pick_stream_dtype(model, reduce=reduce)
+        if self.teacher is not None:  # distill_coef's frozen copy runs the same streams
+            self.teacher.stream_dtype = model.stream_dtype
         log_line(f"stream_dtype auto: float32 streams rebuild the layer inputs to "
                  f"{self.streams['float32_rebuild_error']:.2g} of the stream scale (tolerance "
                  f"{self.streams['tolerance']:g}): {self.streams['stream_dtype']} streams")
@@ -265,14 +265,15 @@ class RevFFNMethod(Method):
 
     def after_load(self, model) -> None:
         """A model converted on the meta device: its adapters' init, then the calibration (collective under FSDP:
-        every rank passes over its share of the rows, each unit all-gathered as it runs)."""
+        every rank passes over its share of the rows, each unit all-gathered as it runs). Then, on every model,
+        stream_dtype auto's choice (`_pick_streams`)."""
         if self.on_meta:
             from revffn.conversion.convert import init_adapters
 
             for block in model.blocks:
                 init_adapters(block, self.opts["adapter_init"])
             self._calibrate(model)
-            self._pick_streams(model)
+        self._pick_streams(model)
 
     def state_dict(self) -> dict:
         """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
