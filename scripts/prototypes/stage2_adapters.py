@@ -33,4 +33,5 @@ job["run_dir"] = str(out / "runs" / job["name"])
 result = worker.run_job(job, worker.current_rss_bytes())
 keep = ("converted_retention_loss", "converted_probe_accuracy", "retention_loss", "probe_accuracy",
         "test_exact_match", "tokens_per_s", "peak_mem_bytes")
-print(json.dumps({"variant": variant, "lr": lr, "steps": steps, "streams": os.environ.get("STREAMS", "auto"), **{k: result.get(k) for k in keep}}))
+print(json.dumps({"variant": variant, "lr": lr, "steps": steps, "streams": os.environ.get("STREAMS", "auto"),
+                   **{k: result.get(k) for k in keep}}))
