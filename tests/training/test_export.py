@@ -44,6 +44,10 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
             "generation_config.json"} <= {p.name for p in out.iterdir()}  # as a run's final/: transformers loads it
     converted = load(str(out))
     assert manifest["convert"]["stream_width"] == "full" and converted.stream_width == "full"  # the default
+    # --stream-dtype auto (the default), measured on the calibrated model: float32 rebuilds the tiny model's inputs
+    assert manifest["streams"]["stream_dtype"] == manifest["stream_dtype"] == "float32"
+    assert 0 < manifest["streams"]["float32_rebuild_error"] < manifest["streams"]["tolerance"]
+    assert converted.stream_dtype == torch.float32 and converted.config.stream_dtype == "float32"
     coordinate = torch.eye(converted.config.hidden_size)  # full width's plain init: P_down = I
     assert not torch.equal(converted.blocks[0].p_down_attn.weight, coordinate)  # calibrated, not the plain init
     capsys.readouterr()
