@@ -14,7 +14,7 @@
 #
 #   bash scripts/gpu_real.sh
 #   HEAL_STEPS=800 STUDY_STEPS=500 bash scripts/gpu_real.sh
-#   PART=study STUDY_ARGS="--set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4" bash scripts/gpu_real.sh
+#   PART=study STUDY_ARGS="--set revffn.train_adapters=true --lr-grid revffn=1e-5,3e-5" bash scripts/gpu_real.sh  # stop 43's
 #   PART=gap bash scripts/gpu_real.sh; PART=study bash scripts/gpu_real.sh   # one part a command
 #   TINY=1 bash scripts/gpu_real.sh     # the same commands on the dense builtin:smollm2 on the CPU: two table rows at
 #                                       # 1024 tokens, the smoke study (checks the script)
@@ -28,7 +28,7 @@ cd "$ROOT"
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
 STUDY_HEAL="${STUDY_HEAL:-400}"; JOBS="${JOBS:-3}"
-read -r -a STUDY_ARGS <<<"${STUDY_ARGS:-}"  # more study flags, e.g. "--set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4"
+read -r -a STUDY_ARGS <<<"${STUDY_ARGS:-}"  # more study flags, e.g. "--set revffn.stream_dtype=float32"
 PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
   MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; STUDY_HEAL=2; JOBS=1

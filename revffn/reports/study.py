@@ -85,7 +85,7 @@ class StudyBase:
 # the conversion calibrated on the manual's other pages (docs/conversion.md's best calibrated variant: the
 # same domain as the retention text, which favours RevFFN's retention figure; `self` text loses far more)
 # and trains everything from step 1 (a heal step of the real model on 2 CPU cores: docs/conversion.md).
-REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-5, 3e-5),
+REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-4, 3e-4),
                 "lora": (3e-4, 1e-3), "dora": (3e-4, 1e-3), "refta": (3e-4, 1e-3)}
 REAL_CONVERT = ("--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens", "16384")
 # `--heal-steps N` (a GPU budget): that conversion also healed N steps on the same text at lr 1e-4, the variant that
@@ -94,10 +94,12 @@ REAL_HEAL = ("--heal-data", "builtin:pydoc_calibration", "--heal-lr", "1e-4")
 
 
 def real_base(model: str) -> StudyBase:
-    # the adapters trained in stage 2, as in the committed studies (train_adapters was the default then); frozen, the
-    # default now, they want a higher LR here: --set revffn.train_adapters=false --lr-grid revffn=1e-4,3e-4
+    # RevFFN's defaults: frozen adapters (train_adapters false) and streams by stream_dtype auto (float64 here), whose
+    # LRs are an order above full's (docs/conversion.md, "Where the forgetting in stage 2 comes from"). The committed
+    # real-base pages ran with the adapters trained and float32 streams (the defaults then), at 1e-5 and 3e-5:
+    # --set revffn.train_adapters=true --set revffn.stream_dtype=float32 --lr-grid revffn=1e-5,3e-5 (since stop 46)
     return StudyBase(model, "builtin:pydoc_text", "builtin:smollm2_probes", REAL_CONVERT,
-                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}})
+                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True}})
 
 
 @dataclass(frozen=True)

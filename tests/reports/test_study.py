@@ -196,7 +196,8 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     assert plan.methods == ("full", "lora", "revffn") and plan.seeds == (0, 1, 2) and plan.tasks == ("commas",)
     assert plan.base.retention_data == "builtin:pydoc_text" and plan.base.probes == "builtin:smollm2_probes"
     assert plan.lr_grid["full"] == (1e-5, 3e-5) and plan.lr_grid["lora"] == (3e-4, 1e-3)
-    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}
+    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True}  # the method's defaults
+    assert plan.lr_grid["revffn"] == (1e-4, 3e-4)  # frozen adapters learn at an order above full's LR
     assert plan.converts_once("revffn") and not plan.converts_once("full")
     assert plan_for(False, "builtin:smollm2", steps=500, seeds=(0, 1, 2, 3)).steps == 500
     assert not StudyPlan().converts_once("revffn")  # builtin:base: each run converts at prepare, as before
@@ -212,12 +213,12 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
 def test_set_and_lr_grid_reach_the_runs(tmp_path):
     """`--set METHOD.KEY=VALUE` lands in every run of the method, `--lr-grid` replaces its grid; bad ones are
     one-line errors naming the flag."""
-    plan = plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=false", "lora.r=4"],
-                    lr_grids=["revffn=1e-4,3e-4"])
-    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": False}
-    assert plan.lr_grid["revffn"] == (1e-4, 3e-4) and plan.lr_grid["full"] == (1e-5, 3e-5)
-    job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-4, eval_val=False)
-    assert job["options"]["train_adapters"] is False and plan.options("lora")["r"] == 4
+    plan = plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=true", "lora.r=4"],  # the committed pages'
+                    lr_grids=["revffn=1e-5,3e-5"])
+    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}
+    assert plan.lr_grid["revffn"] == (1e-5, 3e-5) and plan.lr_grid["full"] == (1e-5, 3e-5)
+    job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
+    assert job["options"]["train_adapters"] is True and plan.options("lora")["r"] == 4
     for bad, flag in ((dict(sets=["revffn.train_adapter=false"]), "--set"), (dict(sets=["revffn=1"]), "--set"),
                       (dict(sets=["nope.r=1"]), "--set"), (dict(lr_grids=["revffn=fast"]), "--lr-grid"),
                       (dict(lr_grids=["revffn=0"]), "--lr-grid")):
@@ -267,10 +268,10 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
 def test_probes_render_and_enter_the_goal_check(tmp_path):
     plan = replace(plan_for(False, "builtin:smollm2"), seeds=(0,))
     runs = [_run(m, "commas", 0, lr, val=v) for m, lr, v in (("full", 1e-5, 0.9), ("lora", 3e-4, 0.5),
-                                                              ("revffn", 1e-5, 0.4))]
+                                                              ("revffn", 1e-4, 0.4))]
     for r, probes in zip(runs, (0.95, 0.99, 0.10)):
         r["probe_accuracy"] = probes
-    chosen = {"full/commas": 1e-5, "lora/commas": 3e-4, "revffn/commas": 1e-5}
+    chosen = {"full/commas": 1e-5, "lora/commas": 3e-4, "revffn/commas": 1e-4}
     data = {"command": "revffn study --base builtin:smollm2 --out x", "plan": json.loads(json.dumps(asdict(plan))),
             "wall_s": 60, "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 3.0,
             "base_probe_accuracy": 1.0, "conversion": {"command": "revffn convert ...", "wall_s": 12.0},
@@ -278,7 +279,7 @@ def test_probes_render_and_enter_the_goal_check(tmp_path):
     md = study_markdown(data)
     assert "Base: `builtin:smollm2`, retention loss 3.0000 on `builtin:pydoc_text`" in md
     assert "100.0 % of `builtin:smollm2_probes` answered" in md and "| probes % |" in md
-    assert "| commas | revffn | 1e-05 (1e-05, 3e-05) | 50.0 |" in md and "| 10.0 |" in md
+    assert "| commas | revffn | 0.0001 (0.0001, 0.0003) | 50.0 |" in md and "| 10.0 |" in md
     assert "probes kept ≥ full's: 10.0 vs 95.0 % ✗" in "\n".join(goal_check(data))
     assert "RevFFN starts from one conversion made for the study: `revffn convert ...` (12 s)" in md
 
