@@ -482,8 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)s, in rows of 128)")
     k.add_argument("--heal-steps", type=_nonnegative, default=0,
                    help="KL self-distillation steps on the adapters (0: none)")
-    k.add_argument("--heal-data", default="self", help="self or a data source (README: Data formats; "
-                   "default: %(default)s)")
+    k.add_argument("--heal-data", default=DEFAULT_CALIBRATION, help="a data source (README: Data formats) or "
+                   "self (sampled from the model) (default: %(default)s)")
     k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
     k.add_argument("--heal-lr", type=_heal_lr, default=None, help="heal AdamW peak LR (cosine to a tenth); auto "
                    "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3, scored on a second heal batch")

@@ -107,7 +107,7 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     done = target / "revffn.json"
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
-            "heal_data": src[heal] if heal else "self", "adapter_skip": skip, "stream_width": width,
+            "heal_data": src[heal] if heal else DEFAULT_CALIBRATION, "adapter_skip": skip, "stream_width": width,
             "heal_lr": (None if heal_lr == "auto" else float(heal_lr)) if heal else None}
     if not (done.is_file() and all(json.loads(done.read_text())["convert"].get(k) == v for k, v in want.items())):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)

@@ -54,7 +54,7 @@ class ConvertSpec:
     calibration_data: str = DEFAULT_CALIBRATION
     calibration_tokens: int = 32768
     heal_steps: int = 0
-    heal_data: str = SELF
+    heal_data: str = DEFAULT_CALIBRATION
     heal_batch_size: int = 8
     heal_lr: float | None = None  # None: `probe_heal_lr` picks it (--heal-lr auto)
     heal_norms: bool = False

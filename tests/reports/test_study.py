@@ -52,7 +52,8 @@ def test_quick_study_runs_every_method_and_writes_the_report(quick):
     assert gap[0]["converted_init"] > 0 and gap[0]["after_stage1"] is None  # quick: no eval at the boundary
     assert data["method_options"] == {"revffn": {"adapter_warmup_steps": 1, "freeze_router": True,
                                                  "stream_width": "half", "calibration_tokens": 1024,
-                                                 "calibration_data": "self", "train_adapters": True}}
+                                                 "calibration_data": "self", "heal_data": "self",
+                                                 "train_adapters": True}}
     yaml_text = (quick / "out" / "runs" / "revffn-commas-s0-lr0.0001.yaml").read_text()
     assert "revffn:\n  adapter_warmup_steps: 1\n" in yaml_text
     md = (quick / "docs" / "study.md").read_text()
@@ -147,7 +148,8 @@ def test_plan_derives_from_the_registry_and_validates_methods():
     assert plan.methods == ("full", "revffn", "lora", "dora", "hift", "refta")  # ckpt: no grid (its grads are full's)
     assert plan.lr_grid["revffn"] == (3e-4, 1e-3) and plan.lr_grid["refta"] == (1e-3, 3e-3)
     assert plan.options("revffn") == {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
-                                      "calibration_data": "self", "train_adapters": True}  # as the pages ran
+                                      "calibration_data": "self", "heal_data": "self",
+                                      "train_adapters": True}  # as the pages ran
     assert plan.options("lora") == {}
     assert plan_for(True, methods=("full", "lora")).methods == ("full", "lora")
     with pytest.raises(Exception, match="'ckpt', 'fulll' not in the study"):

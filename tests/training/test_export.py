@@ -11,7 +11,7 @@ from revffn.conversion.calibrate import calibrate
 from revffn.conversion.convert import convert
 from revffn.conversion.heal import norm_parameters
 from revffn.data import DEFAULT_CALIBRATION
-from revffn.data.calibration import calibration_rows, row_batches
+from revffn.data.calibration import SELF, calibration_rows, row_batches
 from revffn.data.tokenizer import load_tokenizer
 from revffn.errors import UserError
 from revffn.models.loading import is_converted, load, load_hf, resolve_model_ref
@@ -169,7 +169,8 @@ def test_heal_lowers_retention_loss():
     calibrate(model, row_batches(calibration_rows(DEFAULT_CALIBRATION, tok, model, 2048, "revffn.calibration_data")))
     before = retention_loss(model, tok, limit=16)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "p_" not in n.rsplit(".", 2)[-2]}
-    spec = ConvertSpec("builtin:base", "unused", heal_steps=7, heal_lr=3e-4, heal_batch_size=4, heal_eval_steps=3)
+    spec = ConvertSpec("builtin:base", "unused", heal_steps=7, heal_lr=3e-4, heal_batch_size=4, heal_eval_steps=3,
+                       heal_data=SELF)
     base = before - 0.21  # target = before - 0.01: reached once the heal has lowered the loss by 0.01
     report = heal_converted(model, spec, print, lambda: retention_loss(model, tok, limit=16), base)
     after = retention_loss(model, tok, limit=16)
@@ -190,7 +191,7 @@ def test_heal_with_norms_and_hidden_mse_runs_and_restores_the_model():
     model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=2))
     norms = [p.detach().clone() for p in norm_parameters(model)]
     spec = ConvertSpec("tiny-qwen2-moe", "unused", heal_steps=3, heal_lr=1e-2, heal_batch_size=4, heal_norms=True,
-                       heal_hidden_coef=1.0)
+                       heal_hidden_coef=1.0, heal_data=SELF)
     report = heal_converted(model, spec, log=print)
     assert report["hidden_coef"] == 1.0 and model.reversible
     assert not all(torch.equal(a, b) for a, b in zip(norms, norm_parameters(model)))  # the norms trained
@@ -202,7 +203,7 @@ def test_the_lr_probe_restores_the_adapters_and_picks_the_best_first_step():
     tok = load_tokenizer(resolve_model_ref("builtin:base"))
     model = convert(load_hf("builtin:base")).eval()
     calibrate(model, row_batches(calibration_rows("self", tok, model, 1024, "revffn.calibration_data")))
-    spec = ConvertSpec("builtin:base", "unused", heal_steps=10)
+    spec = ConvertSpec("builtin:base", "unused", heal_steps=10, heal_data=SELF)
     run = build_run(heal_config(spec, 1e-3), torch.device("cpu"), hf=model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     probe = probe_heal_lr(run)
@@ -229,7 +230,7 @@ def test_a_heal_over_massive_activations_diverges_at_the_old_lr_and_not_at_auto(
     kls = {}
     for lr in (1e-3, None):
         model.load_state_dict(start)
-        spec = ConvertSpec("builtin:base", "unused", heal_steps=10, heal_lr=lr, heal_batch_size=8)
+        spec = ConvertSpec("builtin:base", "unused", heal_steps=10, heal_lr=lr, heal_batch_size=8, heal_data=SELF)
         try:
             kls[lr] = heal_converted(model, spec, log=print)["kl"]
         except UserError as e:  # diverged past recovery: its last steps' mean is above 1.5x the first
