@@ -179,8 +179,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
     parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
                         "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
-                        "at 1e-4; 5: full, stdlib + a heal on self at auto, the defaults; 6: full, stdlib, the default "
-                        "calibration alone); default all")
+                        "at 1e-4; 5: full, stdlib + a heal on stdlib at auto, the defaults; 6: full, stdlib, the "
+                        "default calibration alone); default all")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where each row converts")
     parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
                         "(e.g. one a GPU wrote) into --docs")
@@ -234,11 +234,11 @@ def real_model(args, out: Path) -> None:
     src = {"self": "self", "pydoc": REAL_CALIBRATION, "stdlib": DEFAULT_CALIBRATION}
     tokens, steps = (1024, 4) if args.quick else (TOKENS, args.heal_steps)
     # (width, calibration text, tokens, heal text, heal steps, heal lr): the heal on the manual at 1e-4 is the best
-    # of docs/conversion.md's CPU schedules; the defaults (calibrated on builtin:stdlib_text, a heal on `self` at
-    # --heal-lr auto) are row 5, the default calibration alone row 6
+    # of docs/conversion.md's CPU schedules; the defaults (calibrated and healed on builtin:stdlib_text at --heal-lr
+    # auto; a heal on `self` until stop 46) are row 5, the default calibration alone row 6
     plan = [("half", "self", tokens, None, 0, "auto"), ("full", "self", tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, None, 0, "auto"), ("full", "pydoc", 2 * tokens, None, 0, "auto"),
-            ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "stdlib", tokens, "self", steps, "auto"),
+            ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "stdlib", tokens, "stdlib", steps, "auto"),
             ("full", "stdlib", tokens, None, 0, "auto")]
     if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
         plan = [plan[int(i)] for i in args.rows.split(",")]

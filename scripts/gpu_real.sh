@@ -2,7 +2,7 @@
 # The real-model work a GPU changes most (issue 23), in one prepared script for one CUDA GPU, offline:
 #   1. docs/conversion.md's table for builtin:smollm2-moe, in one command (`scripts/conversion_gap.py`): base,
 #      `coordinate` and the calibrated variants, and two HEAL_STEPS-step heals measured on builtin:pydoc_text along
-#      the way (the defaults: calibrated on builtin:stdlib_text, healed on `self` at --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
+#      the way (the defaults: calibrated on builtin:stdlib_text, healed on it at --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
 #      each with its knowledge probes (builtin:smollm2_probes, containment) and tokens-to-target (base + 0.2 nats);
 #   2. `revffn study --base builtin:smollm2` with a GPU budget: STUDY_STEPS optimizer steps a run, 3 seeds, its one
 #      conversion healed STUDY_HEAL steps (`--heal-steps`), JOBS runs at once on the one GPU.
