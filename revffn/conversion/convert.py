@@ -559,7 +559,6 @@ class RevFFNForCausalLM(nn.Module):
                 that takes none (`supports_cache`).
         """
         hf, spec = self.hf, self.spec
-        B, T = input_ids.shape
         reversible = self.reversible and self.training and torch.is_grad_enabled()
         if cache is None and use_cache and not reversible and self.supports_cache:
             from transformers import DynamicCache
@@ -568,18 +567,9 @@ class RevFFNForCausalLM(nn.Module):
         if cache is not None and (reversible or not self.supports_cache):
             raise ValueError("a KV cache needs the plain twin (eval, or no grad) and token mixers that take one "
                              "(`supports_cache`). Fix: model.eval(), or run without a cache.")
-        embeds = get_path(hf, spec.embed)(input_ids)
-        if self.embed_scale != 1.0:  # granite's embedding_multiplier
-            embeds = embeds * self.embed_scale
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)
-        sctx = self._context(embeds, attention_mask, position_ids, cache)
+        sctx, X_1, X_2 = self._stack_inputs(input_ids, attention_mask, position_ids, cache)
         sctx.probe = probe
-        sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
-        sctx.replay_rng = self.debug.rng_replay
         sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
-        X_1, X_2 = self.split(embeds)
         with self.debug.stack_scope():
             Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
         self.last_stack_stats = sctx.stats
@@ -602,15 +592,26 @@ class RevFFNForCausalLM(nn.Module):
                                          self.logits_scale, self.logits_softcap)
         return out
 
+    def _stack_inputs(self, input_ids, attention_mask, position_ids, cache=None):
+        """(StackContext, X_1, X_2) the blocks start from: the embeddings (times granite's embedding_multiplier),
+        the masks and rotary at `position_ids` (default: the positions after a cache's tokens), the streams."""
+        embeds = get_path(self.hf, self.spec.embed)(input_ids)
+        if self.embed_scale != 1.0:  # granite's embedding_multiplier
+            embeds = embeds * self.embed_scale
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        sctx = self._context(embeds, attention_mask, position_ids, cache)
+        sctx.replay_routing, sctx.track_flips = self.debug.routing_replay, self.debug.track_routing_flips
+        sctx.replay_rng = self.debug.rng_replay
+        return (sctx, *self.split(embeds))
+
     def rebuild_errors(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[float]:
         """Per layer, how far the reversible backward's rebuilt input is from the forward's on this batch, in the
         streams' dtype, relative to the stream scale (`reversible.coupling.rebuild_errors`)."""
         with torch.no_grad():
-            embeds = get_path(self.hf, self.spec.embed)(input_ids) * self.embed_scale
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            sctx = self._context(embeds, attention_mask, position_ids)
-            sctx.aux = None
-            X_1, X_2 = self.split(embeds)
+            sctx, X_1, X_2 = self._stack_inputs(input_ids, attention_mask, None)
+            sctx.aux = None  # nothing trains: no load-balancing sum
             return rebuild_errors(list(self.blocks), X_1, X_2, sctx)
 
     def routing_flips(self) -> int:
@@ -647,6 +648,12 @@ def pick_stream_dtype(model: RevFFNForCausalLM, seed: int = 0, reduce=None) -> d
     model.stream_dtype = STREAM_DTYPES[chosen]
     return {"stream_dtype": chosen, "float32_rebuild_error": worst.item(),
             "worst_layer": max(range(len(errors)), key=errors.__getitem__), "tolerance": AUTO_REBUILD_TOL}
+
+
+def describe_streams(streams: dict) -> str:
+    """One line on `pick_stream_dtype`'s choice, as training, `revffn convert` and `revffn check` print it."""
+    return (f"stream_dtype auto: float32 streams rebuild the layer inputs to {streams['float32_rebuild_error']:.2g} "
+            f"of the stream scale (tolerance {streams['tolerance']:g}): {streams['stream_dtype']} streams")
 
 
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,

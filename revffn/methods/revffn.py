@@ -40,6 +40,7 @@ from revffn.conversion.convert import (
     STREAM_WIDTHS,
     RevFFNForCausalLM,
     convert,
+    describe_streams,
     pick_stream_dtype,
 )
 from revffn.conversion.heal import block_outputs, hidden_mse, norm_parameters, original_norms, teacher_states
@@ -237,16 +238,12 @@ class RevFFNMethod(Method):
             return
         from revffn.methods.calibration import log_line
 
-        reduce = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            def reduce(t):
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        reduce = (lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)) \
+            if data_shard()[1] > 1 else None
         self.streams = pick_stream_dtype(model, reduce=reduce)
         if self.teacher is not None:  # distill_coef's frozen copy runs the same streams
             self.teacher.stream_dtype = model.stream_dtype
-        log_line(f"stream_dtype auto: float32 streams rebuild the layer inputs to "
-                 f"{self.streams['float32_rebuild_error']:.2g} of the stream scale (tolerance "
-                 f"{self.streams['tolerance']:g}): {self.streams['stream_dtype']} streams")
+        log_line(describe_streams(self.streams))
 
     def _calibrate(self, model) -> None:
         if self.opts["adapter_init"] == "calibrated" and self.resuming:

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from revffn.conversion.convert import AUTO, convert, pick_stream_dtype
+from revffn.conversion.convert import AUTO, convert, describe_streams, pick_stream_dtype
 from revffn.memory.measure import saved_bytes_of_stack
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
@@ -189,9 +189,7 @@ def format_report(r: dict) -> str:
              f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}, "
              f"{r['stream_dtype']} streams"]
     if "streams" in r:
-        lines.append(f"  stream_dtype auto: float32 streams rebuild the inputs to "
-                     f"{r['streams']['float32_rebuild_error']:.2g} of the stream scale (tolerance "
-                     f"{r['streams']['tolerance']:g}): {r['streams']['stream_dtype']}")
+        lines.append("  " + describe_streams(r["streams"]))
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",
             "max_rel_grad_error", "worst_param", "err_ratio_vs_fp32", "routing_flips", "saved_bytes_reversible",
             "saved_bytes_plain", "routing_record_bytes", "rng_record_bytes", "stream_scale"]

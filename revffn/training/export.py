@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 
 from revffn.conversion.causal_lm import CausalLM
-from revffn.conversion.convert import AUTO, STREAM_DTYPES, STREAM_WIDTHS, convert, pick_stream_dtype
+from revffn.conversion.convert import (
+    AUTO,
+    STREAM_DTYPES,
+    STREAM_WIDTHS,
+    convert,
+    describe_streams,
+    pick_stream_dtype,
+)
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
@@ -138,8 +145,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     streams = None
     if spec.stream_dtype == AUTO:  # the heal and the written model use what the calibrated model needs
         streams = pick_stream_dtype(model)
-        log(f"--stream-dtype auto: float32 streams rebuild the layer inputs to {streams['float32_rebuild_error']:.2g} "
-            f"of the stream scale (tolerance {streams['tolerance']:g}): {streams['stream_dtype']} streams")
+        log(describe_streams(streams))
         spec = replace(spec, stream_dtype=streams["stream_dtype"])
     heal = None
     if spec.heal_steps:
