@@ -20,6 +20,7 @@ import torch
 
 from revffn.archs.layout import cache_kwarg
 from revffn.archs.spec import get_path
+from revffn.conversion.loss import head_logits
 from revffn.progress import progress
 
 
@@ -28,7 +29,9 @@ def _layer_output(out):
 
 
 def _embed(model, input_ids: torch.Tensor) -> torch.Tensor:
-    return get_path(model.hf, model.spec.embed)(input_ids)
+    """The embeddings as the unconverted model's own forward scales them (granite's embedding_multiplier)."""
+    embeds = get_path(model.hf, model.spec.embed)(input_ids)
+    return embeds * model.embed_scale if model.embed_scale != 1.0 else embeds
 
 
 def teacher_context(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -59,7 +62,8 @@ def teacher_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 @torch.no_grad()
 def teacher_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, V) logits of the unconverted model (tests and small checks: the heal never holds these)."""
-    return get_path(model.hf, model.spec.head)(teacher_hidden(model, input_ids, attention_mask))
+    return head_logits(teacher_hidden(model, input_ids, attention_mask), get_path(model.hf, model.spec.head),
+                       model.logits_scale, model.logits_softcap)
 
 
 @contextlib.contextmanager
