@@ -91,7 +91,7 @@ def cmd_check(args) -> int:
             raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
                        stream_dtype=STREAM_DTYPES.get(args.stream_dtype, AUTO), device=args.device, hidden=args.hidden,
-                       stream_width=args.stream_width)
+                       stream_width=args.stream_width, coupling=args.coupling)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 
@@ -237,7 +237,8 @@ def cmd_convert(args) -> int:
                        args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
                        adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
                        heal_eval_steps=args.heal_eval_steps, stream_dtype=args.stream_dtype, seed=args.seed,
-                       overwrite=args.overwrite, stream_width=args.stream_width, device=args.device)
+                       overwrite=args.overwrite, stream_width=args.stream_width, device=args.device,
+                       coupling=args.coupling, **({"buffer_bits": args.buffer_bits} if args.buffer_bits else {}))
     manifest = run_convert(spec)
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
@@ -382,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
     c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
     c.add_argument("--stream-width", default="full", choices=["full", "half"], help="the reversible streams' width")
+    c.add_argument("--coupling", default="additive", choices=["additive", "buffered"], help="additive (adapters) | "
+                   "buffered (the decoder layers whole on fixed-point streams; revffn.coupling)")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
@@ -494,6 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(revffn.adapter_skip: false)")
     k.add_argument("--stream-width", default="full", help="full (two d-wide streams, the default) | half (two d/2 "
                    "streams, the paper's; revffn.stream_width)")
+    k.add_argument("--coupling", default="additive", help="additive (adapters, calibrated and healed) | buffered (the "
+                   "decoder layers whole on fixed-point streams, the model to 2^-buffer_bits: no calibration, no "
+                   "heal; revffn.coupling)")
+    k.add_argument("--buffer-bits", type=_positive, default=None, help="the buffered coupling's bits a coordinate "
+                   "a layer (1-8; default: revffn.buffer_bits's, 6)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "

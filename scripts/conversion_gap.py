@@ -129,6 +129,31 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     return row
 
 
+def buffered_row(bits: int, out: Path, threads: int, model: str, eval_data: str, device: str = "cpu",
+                 probes: str | None = None) -> dict:
+    """`revffn convert MODEL --coupling buffered --buffer-bits BITS` in a fresh process: every decoder layer whole on
+    fixed-point streams (no adapters, nothing to calibrate or heal); the row from its revffn.json and probes."""
+    name = f"buffered coupling, {bits} bits (no adapters)"
+    target = out / "models" / f"buffered_{bits}"
+    cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite", "--coupling",
+           "buffered", "--buffer-bits", str(bits), "--eval-data", eval_data] + (["--device", device]
+                                                                               if device != "cpu" else [])
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    done = target / "revffn.json"
+    if not (done.is_file() and json.loads(done.read_text())["convert"].get("buffer_bits") == bits):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
+    m = json.loads(done.read_text())
+    row = {"name": name, "status": "ok", "coupling": "buffered", "buffer_bits": bits,
+           "loss": m["conversion_gap"]["buffered"], "calibration_s": 0.0, "peak_rss_bytes": m["peak_rss_bytes"],
+           "wall_s": m["wall_s"], "tokens_to_target": 0, "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
+    if probes:
+        row["probes"] = probe_accuracy(str(target), probes, env)
+    return row
+
+
 def probe_accuracy(model: str, probes: str, env: dict | None = None) -> float | None:
     """`revffn eval MODEL --data PROBES --match contains` in a fresh process: the fraction answered (None: failed)."""
     proc = subprocess.run([sys.executable, "-m", "revffn", "eval", model, "--data", probes, "--match", "contains",
@@ -154,7 +179,8 @@ def render(data: dict) -> str:
             p = r.get("probes", data.get("base_probes") if r is data["rows"][0] else None)
             reached = r.get("tokens_to_target")
             tail = (f" {'–' if p is None else f'{100 * p:.0f} %'} | "
-                    + (f"{reached:,} |" if reached is not None else "not reached |" if r.get("heal_curve") else "– |"))
+                    + ("0 (no heal) |" if r.get("coupling") == "buffered" else f"{reached:,} |" if reached is not None
+                       else "not reached |" if r.get("heal_curve") else "– |"))
         else:
             tail = ""
         cal = f"{r['calibration_data']} ({r['calibration_tokens']} tok)" if "calibration_data" in r else "–"
@@ -177,10 +203,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1: steadiest on 2 cores)")
     parser.add_argument("--jobs", type=int, default=1, help="rows converted at once, each a fresh process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens and steps")
-    parser.add_argument("--rows", default=None, help="a real model's calibrated rows to run, by index (0: half "
+    parser.add_argument("--rows", default=None, help="a real model's rows to run, by index (0: half "
                         "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
-                        "at 1e-4; 5: full, stdlib + a heal on stdlib at auto, the defaults; 6: full, stdlib, the "
-                        "default calibration alone); default all")
+                        "at 1e-4; 5: full, stdlib + a heal on stdlib at auto, the additive defaults; 6: full, stdlib, "
+                        "the default calibration alone; 7, 8: the buffered coupling at 4 and 6 bits); default all")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where each row converts")
     parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
                         "(e.g. one a GPU wrote) into --docs")
@@ -239,11 +265,14 @@ def real_model(args, out: Path) -> None:
     plan = [("half", "self", tokens, None, 0, "auto"), ("full", "self", tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, None, 0, "auto"), ("full", "pydoc", 2 * tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "stdlib", tokens, "stdlib", steps, "auto"),
-            ("full", "stdlib", tokens, None, 0, "auto")]
+            ("full", "stdlib", tokens, None, 0, "auto"), ("buffered", 4), ("buffered", 6)]
     if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
         plan = [plan[int(i)] for i in args.rows.split(",")]
 
     def run(item):
+        if item[0] == "buffered":
+            print(f"buffered, {item[1]} bits ...", file=sys.stderr, flush=True)
+            return buffered_row(item[1], out, args.threads, args.model, REAL_EVAL, args.device, REAL_PROBES)
         width, cal, n, heal, n_steps, lr = item
         name = f"calibrated ({width} width; {cal} {n // 1024}k" + (f"; heal {heal} x{n_steps}" if heal else "") + ")"
         print(f"{name} ...", file=sys.stderr, flush=True)

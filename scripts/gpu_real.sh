@@ -5,9 +5,11 @@
 #      the way (the defaults: calibrated on builtin:stdlib_text, healed on it at --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
 #      each with its knowledge probes (builtin:smollm2_probes, containment) and tokens-to-target (base + 0.2 nats);
 #   2. `revffn study --base builtin:smollm2` with a GPU budget: STUDY_STEPS optimizer steps a run, 3 seeds, its one
-#      conversion healed STUDY_HEAL steps (`--heal-steps`), JOBS runs at once on the one GPU.
-# Each part is sized for one device command of at most 10 minutes on an H100/H200 (PART=gap, PART=study; the
-# default, all, runs both in turn). Results (gap/conversion_smollm2_moe.json, the study's study.json/md/png, the
+#      conversion healed STUDY_HEAL steps (`--heal-steps`), JOBS runs at once on the one GPU;
+#   3. `revffn study --base builtin:smollm2-moe` with RevFFN's buffered coupling (`revffn.coupling: buffered`, its
+#      LRs full's): the MoE study of issue 23, which the CPU budget did not reach (PART=moe-study).
+# Each part is sized for one device command of at most 10 minutes on an H100/H200 (PART=gap, PART=study,
+# PART=moe-study; the default, all, runs the first two in turn). Results (gap/conversion_smollm2_moe.json, the study's study.json/md/png, the
 # log) go to $OUT if set, else runs/gpu_real. Back here:
 #   python scripts/conversion_gap.py --render OUT/gap/conversion_smollm2_moe.json --docs docs/conversion.md
 #   revffn study --render --out OUT/study --docs docs/study_smollm2_gpu.md   (from a copy of OUT/study)
@@ -40,7 +42,7 @@ if ! "$PY" -c "from revffn.models.loading import resolve_model_ref as r; r('$MOE
   exit 2
 fi
 
-case "$PART" in all|gap|study) ;; *) log "PART=$PART: expected all, gap or study"; exit 2 ;; esac
+case "$PART" in all|gap|study|moe-study) ;; *) log "PART=$PART: expected all, gap, study or moe-study"; exit 2 ;; esac
 status=0
 # -- 1. the conversion table of the real MoE: one fresh process a row ----------------------------------------
 if [ "$PART" = all ] || [ "$PART" = gap ]; then
@@ -62,6 +64,17 @@ timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" --
 rc=${PIPESTATUS[0]}
 log "study exit code $rc"
 [ -f "$DEST/study/study.md" ] && sed -n '1,30p' "$DEST/study/study.md" >>"$LOG"
+[ $rc -ne 0 ] && status=1
+fi
+# -- 3. the quality study on the real MoE with the buffered coupling -------------------------------------------
+if [ "$PART" = moe-study ]; then
+rm -rf "$DEST/moe-study"
+log "revffn study --base $MOE --steps $STUDY_STEPS --jobs $JOBS --set revffn.coupling=buffered --lr-grid revffn=1e-5,3e-5"
+timeout "$LIMIT" "$PY" -m revffn study --base "$MOE" --steps "$STUDY_STEPS" --jobs "$JOBS" --set revffn.coupling=buffered \
+  --lr-grid revffn=1e-5,3e-5 ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/moe-study" 2>&1 | tee -a "$LOG" >/dev/null
+rc=${PIPESTATUS[0]}
+log "moe study exit code $rc"
+[ -f "$DEST/moe-study/study.md" ] && sed -n '1,30p' "$DEST/moe-study/study.md" >>"$LOG"
 [ $rc -ne 0 ] && status=1
 fi
 log "done: $DEST (gap/conversion_*.json and the converted models, study/, gpu_real.log)"

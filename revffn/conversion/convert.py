@@ -44,11 +44,15 @@ from revffn.archs.layout import (
 from revffn.archs.spec import ArchSpec, config_value, get_path
 from revffn.conversion.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.errors import UserError
+from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS, buffered_rebuild_errors, run_buffered_stack
 from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, rebuild_errors, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
 ADAPTER_INITS = ("calibrated", "coordinate", "zero", "random")
 STREAM_WIDTHS = ("half", "full")
+# additive: Y_1 = X_1 + F(X_2), Y_2 = X_2 + G(Y_1) with adapters (`HFRevBlock`); buffered: every decoder layer whole
+# on fixed-point streams with a bit buffer (`reversible.buffered`), the pretrained model to 2^-buffer_bits
+COUPLINGS = ("additive", "buffered")
 # the streams' dtypes: float32 (the default), bfloat16 (half the bytes, inexact), float64 (twice the bytes: exact
 # reconstruction on a deep pretrained model whose fp32 streams are not, docs/engine.md)
 STREAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -439,9 +443,20 @@ class RevFFNForCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
                  stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
-                 chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False, stream_width: str = "half"):
+                 chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False, stream_width: str = "half",
+                 coupling: str = "additive", buffer_bits: int = DEFAULT_BUFFER_BITS):
         super().__init__()
+        if coupling not in COUPLINGS:
+            raise UserError(f"unknown coupling {coupling!r}. Fix: revffn.coupling must be one of "
+                            f"{', '.join(COUPLINGS)}.")
+        if buffer_bits not in BUFFER_BITS:
+            raise UserError(f"buffer_bits={buffer_bits}: the buffered coupling keeps 1 to 8 bits a coordinate a "
+                            "layer. Fix: revffn.buffer_bits between 1 and 8 (the default 6: SmolLM2 within 0.01 "
+                            "nats).")
         self.hf, self.spec = hf_model, spec
+        self.coupling, self.buffer_bits = coupling, buffer_bits
+        if coupling == "buffered":  # whole layers: no adapters, the hidden state is one d-wide stream of values
+            adapter_skip, stream_width, adapter_init = False, "full", "coordinate"
         self.adapter_skip, self.stream_width = adapter_skip, stream_width
         self.reversible = True
         self.stream_dtype = stream_dtype
@@ -470,7 +485,10 @@ class RevFFNForCausalLM(nn.Module):
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config,
                                skip=adapter_skip, stream_width=stream_width)
             block.position_key = config.layer_types[i] if self.rope.per_layer else None
-            init_adapters(block, adapter_init)
+            if coupling == "buffered":
+                block.p_down_attn = block.p_down_moe = None  # F and G: the layer's own branches
+            else:
+                init_adapters(block, adapter_init)
             layers[i] = block
 
     # -- structure ------------------------------------------------------------------------------
@@ -571,11 +589,15 @@ class RevFFNForCausalLM(nn.Module):
         sctx.probe = probe
         sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
         with self.debug.stack_scope():
-            Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
+            if self.coupling == "buffered":
+                top, aux = run_buffered_stack(list(self.blocks), X_2, sctx, reversible, self.buffer_bits)
+            else:
+                Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
+                top = self.merge(Y_1, Y_2)
         self.last_stack_stats = sctx.stats
         norm, head = get_path(hf, spec.final_norm), get_path(hf, spec.head)
         with sctx.autocast():
-            hidden = norm(self.merge(Y_1, Y_2).to(norm.weight.dtype))
+            hidden = norm(top.to(norm.weight.dtype))
             out = RevFFNOutput(aux_loss=aux if sctx.aux is not None else None, cache=cache)
             if labels is not None:
                 loss_sum, n_tokens = causal_lm_loss(hidden, head, labels, self.chunk_tokens,
@@ -612,6 +634,8 @@ class RevFFNForCausalLM(nn.Module):
         with torch.no_grad():
             sctx, X_1, X_2 = self._stack_inputs(input_ids, attention_mask, None)
             sctx.aux = None  # nothing trains: no load-balancing sum
+            if self.coupling == "buffered":
+                return buffered_rebuild_errors(list(self.blocks), X_2, sctx, self.buffer_bits)
             return rebuild_errors(list(self.blocks), X_1, X_2, sctx)
 
     def routing_flips(self) -> int:
@@ -658,7 +682,8 @@ def describe_streams(streams: dict) -> str:
 
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
             aux_loss_coef: float | None = None, reversible: bool = True,
-            adapter_skip: bool = False, stream_width: str = "half") -> RevFFNForCausalLM:
+            adapter_skip: bool = False, stream_width: str = "half", coupling: str = "additive",
+            buffer_bits: int = DEFAULT_BUFFER_BITS) -> RevFFNForCausalLM:
     """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
 
     Args:
@@ -674,6 +699,9 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
             (`revffn.adapter_skip`) and `revffn convert` turn it on by default.
         stream_width: ``half`` (the paper's two d/2 streams) or ``full`` (two d-wide streams; `HFRevBlock`).
             ``half`` here, for the same reason as `adapter_skip`.
+        coupling: ``additive`` (the adapters' coupling above) or ``buffered`` (every decoder layer whole on
+            fixed-point streams, `reversible.buffered`: no adapters; adapter_init, adapter_skip and stream_width
+            do not apply), with `buffer_bits` (k: lam = 2^-k, k bits a coordinate a layer kept for the backward).
     Raises:
         UserError: unsupported architecture or odd hidden size.
     """
@@ -682,7 +710,8 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
     if stream_width not in STREAM_WIDTHS:
         raise UserError(f"unknown stream_width {stream_width!r}. Fix: use one of {', '.join(STREAM_WIDTHS)}.")
     model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef,
-                              adapter_skip=adapter_skip, stream_width=stream_width)
+                              adapter_skip=adapter_skip, stream_width=stream_width, coupling=coupling,
+                              buffer_bits=buffer_bits)
     model.reversible = reversible
     model.train(hf_model.training)
     return model

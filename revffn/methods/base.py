@@ -82,6 +82,12 @@ class Method:
                                   module=cls.__module__, qualname=f"{cls.__qualname__}.Options")
 
     @classmethod
+    def trains_converted(cls, options: dict) -> bool:
+        """Whether runs with this YAML section start from a `revffn convert` output when a study has one (a
+        method that converts differently, or not at all, with some options trains the base itself)."""
+        return cls.ACCEPTS_CONVERTED
+
+    @classmethod
     def validate(cls, cfg) -> None:
         """Cross-key checks beyond types and ranges; raise UserError."""
 

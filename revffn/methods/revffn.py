@@ -36,6 +36,7 @@ from revffn.archs.spec import get_path
 from revffn.conversion.convert import (
     ADAPTER_INITS,
     AUTO,
+    COUPLINGS,
     STREAM_DTYPES,
     STREAM_WIDTHS,
     RevFFNForCausalLM,
@@ -53,6 +54,7 @@ from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.hf_remote import dtype_name, save_converted
+from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -69,6 +71,16 @@ RECOMPUTE_CHUNK_TOKENS = 1024
 class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
+        "coupling": Key(str, "additive", "additive: Y_1 = X_1 + F(X_2), Y_2 = X_2 + G(Y_1), the pretrained attention "
+                        "and MoE between calibrated adapters (a heal, stage 1, then stage 2); buffered: every decoder "
+                        "layer whole on int64 fixed-point streams, h' = h + layer update - 2^-buffer_bits x the "
+                        "previous update, exactly invertible with buffer_bits bits a coordinate a layer kept for the "
+                        "backward: no adapters, no calibration, no stage 1 (SmolLM2: +0.01 nats at 6 bits against "
+                        "+1.8 calibrated; docs/conversion.md)", choices=COUPLINGS),
+        "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
+                           "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "
+                           "layer input; SmolLM2 keeps 71 of 76 probe answers at 6, 67 at 4)",
+                           min=min(BUFFER_BITS), max=max(BUFFER_BITS)),
         "adapter_warmup_steps": Key(int, 10, "stage 1: steps that train only the projection adapters", min=0),
         "adapter_warmup_ratio": Key((float, type(None)), None, "stage 1 as a fraction of max_steps (at least 1 step, "
                                     "at most max_steps - 1), instead of adapter_warmup_steps; null: the steps",
@@ -124,7 +136,7 @@ class RevFFNMethod(Method):
                                       "recomputed whole)", min=0),
     }
     ESTIMATE_KEYS = ("freeze_router", "train_adapters", "stream_dtype", "adapter_skip", "stream_width", "distill_coef",
-                     "distill_teacher", "recompute_chunk_tokens", "fold_adapters")
+                     "distill_teacher", "recompute_chunk_tokens", "fold_adapters", "coupling", "buffer_bits")
     ESTIMATE_OPTIONS = {
         "stage": Key(int, 2, "1: only the adapters train; 2: everything but (if frozen) the routers", min=1, max=2)}
     ACCEPTS_CONVERTED = True  # `revffn convert` output: trained as it is, not converted again
@@ -160,7 +172,10 @@ class RevFFNMethod(Method):
 
     @staticmethod
     def warmup_steps(opts: dict, max_steps: int) -> int:
-        """Stage 1's length: `adapter_warmup_steps`, or `adapter_warmup_ratio` of max_steps when set."""
+        """Stage 1's length: `adapter_warmup_steps`, or `adapter_warmup_ratio` of max_steps when set; none with the
+        buffered coupling (no adapters to heal)."""
+        if opts.get("coupling") == "buffered":
+            return 0
         if opts.get("adapter_warmup_ratio") is None:
             return opts["adapter_warmup_steps"]
         return min(max(1, round(opts["adapter_warmup_ratio"] * max_steps)), max_steps - 1)
@@ -172,7 +187,9 @@ class RevFFNMethod(Method):
         from revffn.models.loading import converted_option, is_converted
 
         if is_converted(cfg.model):  # trained as it is: its structure is what it was converted with
-            for name in ("adapter_skip", "stream_width"):
+            for name in ("coupling", "adapter_skip", "stream_width"):
+                if name != "coupling" and opts["coupling"] == "buffered":
+                    continue
                 held, asked = converted_option(cfg.model, name), opts[name]
                 if held != asked:
                     show = (lambda v: str(v).lower()) if name == "adapter_skip" else str
@@ -186,7 +203,11 @@ class RevFFNMethod(Method):
             raise UserError("revffn.distill_teacher=cached: the cache holds every training example's teacher states, "
                             "computed before training, and a streamed data set (streaming: true) is not read ahead. "
                             "Fix: revffn.distill_teacher=copy, or streaming: false.")
-        if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self":
+        if opts["coupling"] == "buffered" and opts["distill_coef"] > 0 and opts["distill_teacher"] == "cached":
+            raise UserError("revffn.distill_teacher=cached is not built for revffn.coupling=buffered. Fix: "
+                            "revffn.distill_teacher=copy.")
+        if opts["adapter_init"] == "calibrated" and opts["calibration_data"] != "self" and \
+                opts["coupling"] == "additive":
             from revffn.data.calibration import file_rows
             from revffn.data.tokenizer import model_tokenizer
             from revffn.models.loading import model_kind
@@ -201,6 +222,11 @@ class RevFFNMethod(Method):
             from revffn.data.tokenizer import model_tokenizer
 
             file_rows(opts["heal_data"], model_tokenizer(cfg.model, cfg.tokenizer), None, "revffn.heal_data")
+
+    @classmethod
+    def trains_converted(cls, options: dict) -> bool:
+        """The buffered coupling converts nothing worth sharing (no calibration): its runs load the base."""
+        return options.get("coupling", cls.SCHEMA["coupling"].default) == "additive"
 
     @classmethod
     def study_options(cls, steps: int, **variant) -> dict:
@@ -223,7 +249,8 @@ class RevFFNMethod(Method):
             return self._prepare_stages(hf_model)
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
-                        stream_width=self.opts["stream_width"])
+                        stream_width=self.opts["stream_width"], coupling=self.opts["coupling"],
+                        buffer_bits=self.opts["buffer_bits"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         self.on_meta = next(model.parameters()).is_meta  # sharded loading: the weights come after sharding
         if not self.on_meta:
@@ -234,8 +261,8 @@ class RevFFNMethod(Method):
         """stream_dtype auto: float32 or float64 streams, from the rebuild error of the model as it will start
         training (adapters calibrated or loaded, on its device, sharded or not; `after_load`). A resumed run keeps
         the first run's choice (`state_dict`; applied by `restructure`), measured on the weights it started from."""
-        if self.opts["stream_dtype"] != AUTO or self.resuming:
-            return
+        if self.opts["stream_dtype"] != AUTO or self.resuming or self.opts["coupling"] == "buffered":
+            return  # (buffered: the streams are fixed point, rebuilt bitwise)
         from revffn.methods.calibration import log_line
 
         reduce = (lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)) \
@@ -246,6 +273,8 @@ class RevFFNMethod(Method):
         log_line(describe_streams(self.streams))
 
     def _calibrate(self, model) -> None:
+        if self.opts["coupling"] == "buffered":
+            return  # no adapters
         if self.opts["adapter_init"] == "calibrated" and self.resuming:
             from revffn.methods.calibration import log_line
 
@@ -266,7 +295,7 @@ class RevFFNMethod(Method):
         """A model converted on the meta device: its adapters' init, then the calibration (collective under FSDP:
         every rank passes over its share of the rows, each unit all-gathered as it runs). Then, on every model,
         stream_dtype auto's choice (`_pick_streams`)."""
-        if self.on_meta:
+        if self.on_meta and self.opts["coupling"] == "additive":
             from revffn.conversion.convert import init_adapters
 
             for block in model.blocks:
@@ -294,7 +323,7 @@ class RevFFNMethod(Method):
         if self.streams and self.opts["stream_dtype"] == AUTO:
             model.stream_dtype = STREAM_DTYPES[self.streams["stream_dtype"]]
         if (self.folded_here or not self.opts["fold_adapters"] or self.cfg.optimizer_offload != "none"
-                or self.opts["stream_width"] != "full"
+                or self.opts["stream_width"] != "full" or self.opts["coupling"] == "buffered"
                 or (self.fold_plan is None and self.stage(step) != "joint")):
             return []
         from revffn.conversion.fold import fold_adapters
@@ -455,10 +484,11 @@ class RevFFNMethod(Method):
         folded P_down is written as the identity (`conversion.fold.unfold`): the layout every converted model has."""
         from revffn.conversion.fold import unfold
 
-        unfold(model)
+        if model.coupling == "additive":  # (buffered: no adapters)
+            unfold(model)
         save_converted(model, out_dir)
         start = {"converted_from": self.converted_from} if self.converted_from else \
-            {"adapter_init": self.opts["adapter_init"]}
+            {"adapter_init": self.opts["adapter_init"]} if model.coupling == "additive" else {}
         write_manifest(out_dir, format="revffn", method=self.name, stream_dtype=dtype_name(model.stream_dtype),
                        **start, **({"calibration": self.calibration} if self.calibration else {}),
                        **({"streams": self.streams} if self.streams else {}))
@@ -469,7 +499,8 @@ class RevFFNMethod(Method):
                      train_adapters: bool = False, adapter_skip: bool = True, distill_coef: float = 0.0,
                      distill_teacher: str = "copy",
                      recompute_chunk_tokens: int = RECOMPUTE_CHUNK_TOKENS, stream_width: str = "full",
-                     fold_adapters: bool = True) -> MemoryTerms:
+                     fold_adapters: bool = True, coupling: str = "additive",
+                     buffer_bits: int = DEFAULT_BUFFER_BITS) -> MemoryTerms:
         """Forward: two streams (d/2 wide each, or d with `stream_width` full) and the routing records
         (`compact_index_dtype` per token and choice), plus the mask and what outside the layers saves.
         Backward: one layer's full-width working set, plus the adapters' inputs (and the load-balancing
@@ -480,7 +511,11 @@ class RevFFNMethod(Method):
         inputs, the surrogate), the latter scaled by min(recompute_chunk_tokens, N) / N: recomputed by
         chunks, G holds one chunk's tensors at a time; F's part likewise by its chunk of whole sequences
         (max(1, recompute_chunk_tokens // T) of the B). F and G are summed, as without chunking: the
-        layer's saved bytes, which the estimate is calibrated on (`tests/memory`)."""
+        layer's saved bytes, which the estimate is calibrated on (`tests/memory`).
+
+        The buffered coupling (`_buffered_terms`) instead: no adapters and no stage 1."""
+        if coupling == "buffered":
+            return cls._buffered_terms(ctx, freeze_router, buffer_bits, recompute_chunk_tokens)
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
         # auto picks float32 or float64 from the weights, which an estimate does not read: counted as float32 (what
         # it picks at random init, the bench's models), the difference stated
@@ -535,3 +570,30 @@ class RevFFNMethod(Method):
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=adapters + teacher,
                            recompute_working_set=working, routing_records=records, notes=notes,
                            loads_whole=bool(teacher) and distill_teacher == "copy")
+
+    @classmethod
+    def _buffered_terms(cls, ctx: MemoryContext, freeze_router: bool, buffer_bits: int,
+                        recompute_chunk_tokens: int) -> MemoryTerms:
+        """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each), every layer's
+        dropped bits (buffer_bits / 8 bytes a coordinate a layer) and the routing records; backward one layer's
+        working set, by chunks of whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T)
+        of the B), and seven (B, T, d) tensors of 8 bytes, whole. Every parameter trains but the frozen routers.
+        Not yet checked against the bench (`tests/memory` checks the additive coupling's)."""
+        m, N, counts = ctx.m, ctx.N, ctx.counts
+        idx = compact_index_dtype(max(m.experts, 2)).itemsize
+        records = sum(m.moe) * N * m.top_k * idx
+        buffer = m.layers * -(-N * m.d * buffer_bits // 8)
+        trainable = counts["total"] - (counts["router"] if freeze_router else 0)
+        aux = 0 if freeze_router else N * m.experts * 4
+        chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
+        # beside the saved streams, the backward's own (B, T, d) tensors of 8 bytes: the layer's input (int64 and
+        # float64), its update, its input's gradient and the gradient streams g_a, g_b, g_b - g_a
+        working = int(max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers)) * chunk) + 7 * N * m.d * 8
+        notes = (f"revffn coupling buffered: two int64 d streams + {buffer_bits} bits a coordinate a layer "
+                 f"({buffer / 2**20:.1f} MiB: grows with depth) + routing records ({records} bytes) kept; one layer's "
+                 "working set in backward" + (f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
+                                              if chunk < 1 else ""),
+                 f"revffn: no adapters; {'router frozen' if freeze_router else 'router trainable'}; no calibration")
+        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * m.d * 8 + buffer + records
+        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=0,
+                           recompute_working_set=working, routing_records=records, notes=notes)

@@ -242,7 +242,8 @@ def is_converted(model: str, key: str = "model") -> bool:
     return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
 
 
-CONVERTED_DEFAULTS = {"adapter_skip": False, "stream_width": "half"}  # absent from directories written before them
+# absent from directories written before them
+CONVERTED_DEFAULTS = {"adapter_skip": False, "stream_width": "half", "coupling": "additive", "buffer_bits": 6}
 
 
 def converted_option(model: str, name: str, key: str = "model"):
@@ -350,4 +351,6 @@ def converted_skeleton(root: Path, hf):
     stream = STREAM_DTYPES.get(manifest.get("stream_dtype", "float32"), torch.bfloat16)
     return convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
                    adapter_skip=bool(converted_option(str(root), "adapter_skip")),
-                   stream_width=converted_option(str(root), "stream_width"))
+                   stream_width=converted_option(str(root), "stream_width"),
+                   coupling=converted_option(str(root), "coupling"),
+                   buffer_bits=converted_option(str(root), "buffer_bits"))

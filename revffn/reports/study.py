@@ -143,7 +143,7 @@ class StudyPlan:
 
     def converts_once(self, method: str) -> bool:
         """Whether `method`'s runs start from the study's one conversion (`StudyBase.convert`)."""
-        return bool(self.base.convert) and _method(method).ACCEPTS_CONVERTED
+        return bool(self.base.convert) and _method(method).trains_converted(self.options(method))
 
     @property
     def run_threads(self) -> int | None:

@@ -27,6 +27,7 @@ import torch
 from revffn.conversion.causal_lm import CausalLM
 from revffn.conversion.convert import (
     AUTO,
+    COUPLINGS,
     STREAM_DTYPES,
     STREAM_WIDTHS,
     convert,
@@ -47,6 +48,7 @@ from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf
 from revffn.models.presets import TINY_PRESETS
 from revffn.progress import progress
+from revffn.reversible.buffered import DEFAULT_BUFFER_BITS
 from revffn.training.config import load_config
 from revffn.training.evaluate import RETENTION_SET, retention_loss
 from revffn.training.step import build_run, train_step
@@ -74,6 +76,8 @@ class ConvertSpec:
     seed: int = 0
     overwrite: bool = False
     device: str = "cpu"  # cpu | cuda | auto: where the model is calibrated, healed and measured
+    coupling: str = "additive"  # buffered: the decoder layers whole (no adapters: nothing to calibrate or heal)
+    buffer_bits: int = DEFAULT_BUFFER_BITS
 
 
 def convert_device(device: str) -> torch.device:
@@ -98,6 +102,13 @@ def validate(spec: ConvertSpec):
     convert_device(spec.device)
     if spec.stream_width not in STREAM_WIDTHS:
         raise UserError(f"--stream-width: unknown width {spec.stream_width!r}. Fix: one of {', '.join(STREAM_WIDTHS)}.")
+    if spec.coupling not in COUPLINGS:
+        raise UserError(f"--coupling: unknown coupling {spec.coupling!r}. Fix: one of {', '.join(COUPLINGS)}.")
+    if spec.coupling == "buffered" and spec.heal_steps:
+        raise UserError(f"--heal-steps {spec.heal_steps}: the buffered coupling has no adapters to heal (it is the "
+                        "model to 2^-buffer_bits as converted). Fix: drop --heal-steps, or --coupling additive.")
+    if not 1 <= spec.buffer_bits <= 8:
+        raise UserError(f"--buffer-bits {spec.buffer_bits}: the buffered coupling keeps 1 to 8 bits. Fix: 1 to 8.")
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
@@ -135,15 +146,18 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     if data:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
     model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES.get(spec.stream_dtype, torch.float32),
-                    adapter_skip=spec.adapter_skip, stream_width=spec.stream_width).eval()
+                    adapter_skip=spec.adapter_skip, stream_width=spec.stream_width, coupling=spec.coupling,
+                    buffer_bits=spec.buffer_bits).eval()
+    buffered = spec.coupling == "buffered"
     if data:
-        gap["coordinate"] = retention_loss(model, tokenizer, data)
-    calibration = calibrate_model(model, tokenizer, spec.calibration_data, spec.calibration_tokens,
-                                  "--calibration-data", spec.seed, log, "--calibration-tokens")
-    if data:
+        gap["buffered" if buffered else "coordinate"] = retention_loss(model, tokenizer, data)
+    calibration = None if buffered else calibrate_model(model, tokenizer, spec.calibration_data,
+                                                        spec.calibration_tokens, "--calibration-data", spec.seed, log,
+                                                        "--calibration-tokens")
+    if data and not buffered:
         gap["calibrated"] = retention_loss(model, tokenizer, data)
     streams = None
-    if spec.stream_dtype == AUTO:  # the heal and the written model use what the calibrated model needs
+    if spec.stream_dtype == AUTO and not buffered:  # the heal and the written model use what the calibrated model needs
         streams = pick_stream_dtype(model)
         log(describe_streams(streams))
         spec = replace(spec, stream_dtype=streams["stream_dtype"])
@@ -155,7 +169,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
             gap["healed"] = heal["curve"][-1][2] if heal.get("curve") else retention_loss(model, tokenizer, data)
     if data:
         log("loss on " + data + ": " + ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data"))
-    manifest = {"format": "revffn", "method": "revffn", "adapter_init": "calibrated",
+    manifest = {"format": "revffn", "method": "revffn", **({} if buffered else {"adapter_init": "calibrated"}),
                 "stream_dtype": spec.stream_dtype, **({"streams": streams} if streams else {}),
                 "converted_from": spec.model, "convert": asdict(spec),
                 "conversion_gap": gap, "calibration": calibration, "heal": heal,

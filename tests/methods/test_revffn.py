@@ -265,3 +265,31 @@ def test_a_resume_does_not_calibrate_and_keeps_the_calibration_report(tmp_path, 
     assert all(abs(resumed[s] - ref[s]) <= 1e-6 for s in range(1, 7)), (resumed, ref)
     report = json.loads((tmp_path / "run" / "final" / "revffn.json").read_text())["calibration"]
     assert report == json.loads((tmp_path / "ref" / "final" / "revffn.json").read_text())["calibration"]
+
+
+def test_the_buffered_coupling_trains_every_weight_but_the_routers_from_the_first_step():
+    """`revffn.coupling: buffered`: no adapters, no calibration, no stage 1: step 0 is stage 2, and a step moves
+    every parameter but the frozen routers'."""
+    from revffn.methods.base import non_router_parameters
+
+    cfg, run = _run("revffn.coupling=buffered", "revffn.adapter_warmup_steps=3")
+    model, method = run.model, run.method
+    assert model.coupling == "buffered" and model.adapter_parameters() == [] and method.calibration is None
+    assert method.stage(0) == "joint" and method.steady_state_step() == 0
+    trained = {id(p) for p in non_router_parameters(model, True)}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for i in range(2):
+        assert train_step(run, i, [batch(vocab=500)]).stage == "joint"
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    named = dict(model.named_parameters())
+    assert moved == {n for n in named if id(named[n]) in trained} and len(moved) < len(named)
+
+
+def test_the_buffered_coupling_refuses_a_bad_buffer_and_a_heal(tmp_path, capsys):
+    assert main(["train", *TINY, "revffn.coupling=buffered", "revffn.buffer_bits=9", "data=builtin:reversal_train",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "revffn.buffer_bits" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    out = tmp_path / "converted"
+    assert main(["convert", "builtin:base", "--out", str(out), "--coupling", "buffered", "--heal-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--heal-steps" in err and "Fix:" in err and not out.exists()

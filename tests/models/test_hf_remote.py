@@ -282,3 +282,34 @@ def test_full_width_round_trips_and_older_directories_load_half_width(tmp_path, 
     del config["stream_width"]
     (old / "config.json").write_text(json.dumps(config))
     assert all(b.stream_width == "half" for b in load(str(old)).blocks)
+
+
+def test_a_buffered_model_round_trips_and_decodes_with_a_cache(tmp_path):
+    """`coupling: buffered` is in config.json: revffn's `load` and transformers' remote code build the buffered
+    blocks (no adapters) and give the saved model's logits; decoding token by token with a KV cache (the streams are
+    per token; each layer's keys and values cached) gives the full forward's last logits."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    ids = torch.randint(3, 500, (2, 9))
+    model = convert(tiny_model("tiny-qwen2-moe", num_hidden_layers=3), coupling="buffered", buffer_bits=3).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+        want = model(ids).logits
+        cache, steps = DynamicCache(config=model.config), []
+        for t in range(ids.shape[1]):
+            out = model(ids[:, t : t + 1], attention_mask=torch.ones(2, t + 1, dtype=torch.long), cache=cache)
+            steps.append(out.logits[:, -1])
+    assert torch.allclose(torch.stack(steps, 1), want, atol=1e-5)
+    out = tmp_path / "buffered"
+    out.mkdir()
+    save_converted(model, out)
+    write_manifest(out, format="revffn", method="revffn", stream_dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["coupling"], config["buffer_bits"]) == ("buffered", 3)
+    loaded = load(str(out))
+    assert loaded.coupling == "buffered" and loaded.buffer_bits == 3 and loaded.adapter_parameters() == []
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+        assert torch.allclose(remote(ids).logits, want, atol=1e-6)

@@ -36,7 +36,7 @@ def save_converted(model, out_dir: Path) -> None:
     text = {k: v for k, v in model.config.to_dict().items() if k not in OWN_KEYS + WRAPPER_KEYS}
     config = RevFFNConfig(text_config={**text, "dtype": dtype}, dtype=dtype,
                           stream_dtype=dtype_name(model.stream_dtype), adapter_skip=model.adapter_skip,
-                          stream_width=model.stream_width,
+                          stream_width=model.stream_width, coupling=model.coupling, buffer_bits=model.buffer_bits,
                           architectures=["RevFFNModelForCausalLM"])
     config.auto_map = AUTO_MAP
     config.save_pretrained(out_dir)

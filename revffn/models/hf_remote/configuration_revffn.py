@@ -26,7 +26,8 @@ try:  # transformers >= 5.2x declares sub-configs by spec; 5.17 by class (`sub_c
 except ImportError:
     SubConfigSpec = None
 
-OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width")  # RevFFN's, beside the base's keys in config.json
+# RevFFN's, beside the base's keys in config.json
+OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width", "coupling", "buffer_bits")
 WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
 
 
@@ -38,6 +39,9 @@ class RevFFNConfig(PreTrainedConfig):
         directories written before them: False).
     stream_width: "half" (the paper's two d/2 streams) or "full" (two d-wide ones); absent in directories
         written before it: "half".
+    coupling: "additive" (the adapters' coupling) or "buffered" (every decoder layer whole on fixed-point
+        streams, no adapters); absent in directories written before it: "additive".
+    buffer_bits: the buffered coupling's k (lam = 2^-k).
     """
 
     model_type = "revffn"
@@ -50,6 +54,8 @@ class RevFFNConfig(PreTrainedConfig):
     stream_dtype: str = "float32"
     adapter_skip: bool = False
     stream_width: str = "half"
+    coupling: str = "additive"
+    buffer_bits: int = 6
 
     def __post_init__(self, **kwargs):
         """`text_config` as its own config class (5.17 leaves a dict as a dict; newer ones do this too)."""

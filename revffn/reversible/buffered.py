@@ -1,0 +1,292 @@
+"""The buffered coupling: a reversible stack that is the pretrained model to 2^-k, exactly invertible.
+
+The additive coupling (`reversible.coupling`) must approximate each decoder layer with adapters, which a real
+30-layer model does not survive (docs/conversion.md). This one keeps every layer whole. Each block's decoder layer
+is h -> h + D(h), its update D(h) = F(h) + G(h + F(h)) (the block's attention branch F and MoE branch G with no
+adapters: a pre-norm decoder layer exactly). On two streams (a, b), b the hidden state:
+
+    b' = lam * a + b + D(b)        a' = b - b' = -(lam * a + D(b))
+
+so a holds minus the last update, and each layer adds lam times minus the previous layer's update to the
+pretrained one: lam = 0 is the unconverted model. The inverse is b = a' + b', then a = (b' - b - D(b)) / lam,
+which in floating point multiplies every layer's rounding by 1/lam (stop 45's scaled coupling: 10^16 after 30
+layers). As in MacKay et al. (2018), "Reversible recurrent neural networks", the streams are kept in fixed point
+(int64, `FRAC` fraction bits), lam = 2^-k is an arithmetic shift, and the k low bits the shift drops are kept in a
+buffer: k bits per coordinate per layer. Then the forward and the inverse are integer arithmetic and the rebuild is
+bitwise, at any depth, provided D(b) is recomputed bitwise (the records of `reversible.replay` replay its choices and
+RNG; a device whose kernels are not deterministic is caught at the bottom of the stack: `RebuildError`).
+
+Memory: two int64 streams (16 bytes per coordinate, as float64 streams) plus k/8 bytes per coordinate per layer, not
+flat in depth: at k = 4 a quarter of bf16 checkpoints of every layer input. The plain twin (`run_buffered_stack`,
+reversible=False: eval, generation with a KV cache, parity tests) runs the same recurrence in float64, each stream
+snapped to the fixed-point grid (`snap`, with an identity gradient): below 2^21 float64 holds that grid exactly, so
+the twin computes the reversible forward's values bitwise and its gradients are the reference for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from revffn.reversible.coupling import StackContext, _replaying, _watched
+from revffn.reversible.replay import SubBlockRecord
+
+FRAC = 32  # fraction bits of the fixed-point streams: resolution 2^-32 (2.3e-10), range +-2^31
+LIMIT = 2.0 ** 30  # largest |value| a layer may write; beyond it the int64 streams could overflow
+BUFFER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+# SmolLM2-135M-Instruct, no training: +0.028 nats and 67 of the base's 76 probe answers at 4 bits, 71 at 6 (the
+# issue's bound: 90 %, 69); 6 bits a coordinate a layer are 3/8 of bf16 checkpoints (docs/conversion.md)
+DEFAULT_BUFFER_BITS = 6
+
+
+class RebuildError(RuntimeError):
+    """The stack's inputs did not come back bitwise: a recomputed layer differed from its forward."""
+
+
+def to_fixed(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x.to(torch.float64) * 2.0 ** FRAC).to(torch.int64)
+
+
+def from_fixed(x: torch.Tensor) -> torch.Tensor:
+    """float64 (exact up to 2^21; beyond, rounded alike in forward and backward)."""
+    return x.to(torch.float64) * 2.0 ** -FRAC
+
+
+def snap(x: torch.Tensor, floor: bool = False) -> torch.Tensor:
+    """float64 x rounded (or floored, as an arithmetic shift does) to the fixed-point grid, its gradient the
+    identity's: the twin's counterpart of `to_fixed` / `>>`."""
+    scaled = x * 2.0 ** FRAC
+    grid = (torch.floor(scaled) if floor else torch.round(scaled)) * 2.0 ** -FRAC
+    return x + (grid - x).detach()
+
+
+def pack_low_bits(a: torch.Tensor, bits: int) -> torch.Tensor:
+    """The `bits` low bits of every element of int64 `a`, packed 8 to a byte per bit plane: bits * numel / 8 bytes
+    (rounded up to a byte per plane)."""
+    low = (a & ((1 << bits) - 1)).reshape(-1).to(torch.uint8)
+    pad = (-low.numel()) % 8
+    if pad:
+        low = torch.cat([low, low.new_zeros(pad)])
+    weights = (1 << torch.arange(8, device=a.device, dtype=torch.uint8))
+    planes = [(((low >> j) & 1).view(-1, 8) * weights).sum(-1, dtype=torch.uint8) for j in range(bits)]
+    return torch.stack(planes)
+
+
+def unpack_low_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """int64 tensor of `shape` from `pack_low_bits`."""
+    n = shape.numel()
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    out = torch.zeros(packed.shape[1] * 8, dtype=torch.int64, device=packed.device)
+    for j, plane in enumerate(packed):
+        out |= (((plane[:, None] >> shifts) & 1).reshape(-1).to(torch.int64) << j)
+    return out[:n].view(shape)
+
+
+def _spans(block, x: torch.Tensor, sctx: StackContext) -> list[tuple[slice | None, StackContext]]:
+    """How a layer's update is computed, in forward and again in backward: [(None, sctx)] for the whole batch at
+    once, or by chunks of whole sequences of at most `recompute_chunk_tokens` tokens (at least one), each with the
+    context sliced to them (masks, position embeddings; the load-balancing row mask for the backward's surrogate).
+    Chunks need a layer whose update treats each sequence alone (`f_batch_wise`: per-sequence masks and positions;
+    `g_token_wise`) and a context that slices by sequence. The forward runs the same chunks as the backward so that
+    the recompute is bitwise (a matmul over fewer rows may round otherwise), with each chunk's own records."""
+    whole = [(None, sctx)]
+    n = sctx.recompute_chunk_tokens
+    if not (block.f_batch_wise and block.g_token_wise and n > 0 and x.dim() == 3 and x.shape[0] > 1
+            and x.shape[:2].numel() > n):
+        return whole
+    B, T = x.shape[:2]
+    per = max(1, n // T)
+    if per >= B:
+        return whole
+    spans = []
+    for start in range(0, B, per):
+        rows = slice(start, min(start + per, B))
+        cctx = sctx.batch_rows(rows, B, T)
+        if cctx is None:
+            return whole
+        aux = sctx.aux.for_rows(slice(rows.start * T, rows.stop * T)) if sctx.aux is not None else None
+        spans.append((rows, replace(cctx, aux=aux)))
+    return spans
+
+
+def _piece(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return t if rows is None else t[rows]
+
+
+def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | None = None) -> torch.Tensor:
+    """D(x) = F(x) + G(x + F(x)): the decoder layer's update, its branches as the block runs them, by `_spans`. With
+    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the choices and RNG each made). Adds the
+    router's logits to the load-balancing sum."""
+    spans = _spans(block, x, sctx)
+    d = x if len(spans) == 1 else torch.empty_like(x)
+    logits = []
+    for rows, cctx in spans:
+        recs = [] if records is not None else None
+        xr = _piece(x, rows)
+        f = _watched(block.F, xr, cctx, recs, (block.layer_idx, "F"))
+        g = _watched(block.G, xr + f, cctx, recs, (block.layer_idx, "G"))
+        if block.router_tap is not None:
+            logits.append(block.router_tap.take())
+        if rows is None:
+            d = f + g
+        else:
+            d[rows] = f + g
+        if records is not None:
+            records.append(recs)
+    if sctx.aux is not None and logits and logits[0] is not None:
+        sctx.aux.add(torch.cat(logits) if len(logits) > 1 else logits[0])
+    return d
+
+
+def _recompute(block, b_prev: torch.Tensor, g_new: torch.Tensor | None, sctx: StackContext, records: list,
+               d_aux=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """D(x) for x the fixed-point b_prev, recomputed span by span under each span's records, and (given `g_new`)
+    g_new back-propagated through it, with the load-balancing surrogate's gradient given `d_aux`; param grads
+    accumulate into `.grad`, all spans but the last partial (`PartialGradients`). Returns D(x) and x's gradient
+    (None without `g_new`), detached."""
+    x_all = from_fixed(b_prev)
+    spans = _spans(block, x_all, sctx)
+    d = torch.empty_like(x_all)
+    grad_x = torch.zeros_like(x_all) if g_new is not None else None
+    for i, ((rows, cctx), recs) in enumerate(zip(spans, records)):
+        with torch.enable_grad() if g_new is not None else torch.no_grad():
+            x = _piece(x_all, rows).detach().requires_grad_(g_new is not None)
+            with _replaying(recs[0], cctx):
+                f = block.F(x, cctx)
+            with _replaying(recs[1], cctx):
+                g = block.G(x + f, cctx)
+            logits = block.router_tap.take() if block.router_tap is not None else None
+            out = f + g
+            if g_new is not None:
+                outputs, grads = [out], [_piece(g_new, rows)]
+                if d_aux is not None and logits is not None:
+                    outputs.append(cctx.aux.surrogate(logits, d_aux))
+                    grads.append(None)
+                grad = sctx.partial.backprop(outputs, grads, x, partial=i + 1 < len(spans))
+                if grad is not None:
+                    grad_x[rows if rows is not None else slice(None)] = grad
+        d[rows if rows is not None else slice(None)] = out.detach()
+    if len(spans) > 1:
+        sctx.stats.setdefault("recompute_chunks", {})[block.layer_idx] = len(spans)
+    return d, grad_x
+
+
+def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b_new = (a >> bits) + b + to_fixed(d)
+    return b - b_new, b_new
+
+
+def _unstep(a: torch.Tensor, b: torch.Tensor, b_prev: torch.Tensor, d: torch.Tensor, packed: torch.Tensor,
+            bits: int) -> torch.Tensor:
+    """The layer's input a, from its output (a, b), its input b_prev = a + b, its update d and the dropped bits."""
+    return ((b - b_prev - to_fixed(d)) << bits) + unpack_low_bits(packed, a.shape)
+
+
+class BufferedStackFunction(torch.autograd.Function):
+    """Autograd over the stack on fixed-point streams: saves the top (a, b), each layer's dropped bits and the
+    branches' compact records. The blocks' parameters are not inputs (their gradients accumulate from the nested
+    backward calls, as in `RevStackFunction`); `anchor` keeps the backward reachable when h does not require grad."""
+
+    @staticmethod
+    def forward(ctx, h, blocks, sctx: StackContext, bits: int, anchor):
+        records, lost = [], []
+        worst = torch.zeros((), dtype=torch.float64, device=h.device)
+        with torch.no_grad():
+            a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+            for block in blocks:
+                lost.append(pack_low_bits(a, bits))
+                records.append([])
+                d = layer_update(block, from_fixed(b), sctx.for_layer(block.position_key), records[-1])
+                worst = torch.maximum(worst, d.abs().amax())
+                a, b = _step(a, b, d, bits)
+            worst = torch.maximum(worst, from_fixed(b).abs().amax())
+            aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
+        if not worst.item() < LIMIT:  # one sync a forward; NaN and inf included
+            raise FloatingPointError(f"a decoder layer reached {worst.item():.3g}, beyond the buffered coupling's "
+                                     f"fixed-point range (|x| < {LIMIT:.0f}). Fix: a lower learning rate, or "
+                                     "revffn.coupling=additive.")
+        flat = [r for spans in records for pair in spans for r in pair]
+        ctx.blocks, ctx.bits, ctx.shape = blocks, bits, h.shape
+        ctx.layout = [[[r.layout() for r in pair] for pair in spans] for spans in records]
+        ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))
+        ctx.n_ctx, ctx.n_lost, ctx.h_dtype = len(sctx.tensors()), len(lost), h.dtype
+        choices = [t for r in flat for t in r.choices]
+        rng = [t for r in flat if r.rng is not None for t in r.rng.tensors()]
+        sctx.stats["record_bytes"] = sum(t.numel() * t.element_size() for t in choices)
+        sctx.stats["rng_bytes"] = sum(t.numel() * t.element_size() for t in rng)
+        sctx.stats["buffer_bytes"] = sum(t.numel() for t in lost)
+        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng + lost}
+        ctx.save_for_backward(a, b, *lost, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
+        ctx.set_materialize_grads(False)
+        return from_fixed(b).to(h.dtype), aux
+
+    @staticmethod
+    def backward(ctx, d_out, d_aux):
+        a, b, *rest = ctx.saved_tensors
+        lost, rest = rest[: ctx.n_lost], rest[ctx.n_lost :]
+        sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])
+        saved = iter(rest[ctx.n_ctx :])
+        per_block = [[[SubBlockRecord.from_layout(x, saved) for x in pair] for pair in spans] for spans in ctx.layout]
+        use_aux = sctx.aux is not None and sctx.aux.differentiable and d_aux is not None
+        lam = 2.0 ** -ctx.bits
+        g_b = d_out.to(torch.float64) if d_out is not None else torch.zeros(ctx.shape, dtype=torch.float64,
+                                                                             device=a.device)
+        g_a = torch.zeros_like(g_b)
+        for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
+            b_prev = a + b
+            g_new = g_b - g_a  # the gradient reaching b' (a' = b - b' reads it with a minus)
+            d, grad_x = _recompute(block, b_prev, g_new, sctx.for_layer(block.position_key), records,
+                                   d_aux if use_aux else None)
+            a, b = _unstep(a, b, b_prev, d, packed, ctx.bits), b_prev
+            g_a, g_b = lam * g_new, g_a + g_new + grad_x
+            if sctx.probe is not None:
+                sctx.probe(block.layer_idx, from_fixed(a), from_fixed(b))
+        if bool(a.any()):  # a starts at 0: a recompute that was not bitwise leaves it nonzero (x 2^k a layer)
+            raise RebuildError("the buffered coupling did not rebuild the stack's input bitwise: a decoder layer "
+                               "recomputed in backward differed from its forward (a nondeterministic kernel). Fix: "
+                               "torch.use_deterministic_algorithms(True), or revffn.coupling=additive.")
+        return g_b.to(ctx.h_dtype), None, None, None, None
+
+
+def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: bool, bits: int):
+    """Run `blocks` on the hidden state h (B, T, d); returns (the top b in h's dtype, aux).
+
+    reversible=True uses `BufferedStackFunction` (fixed point, bit buffer); False is the plain twin: the same
+    recurrence on float64 streams snapped to the fixed-point grid (`snap`), with ordinary autograd (the reference of
+    the parity tests, and eval's path, with a KV cache for decoding)."""
+    if reversible:
+        anchor = torch.empty(0, device=h.device, requires_grad=torch.is_grad_enabled())
+        return BufferedStackFunction.apply(h, blocks, sctx, bits, anchor)
+    lam = 2.0 ** -bits
+    a, b = torch.zeros(h.shape, dtype=torch.float64, device=h.device), snap(h.to(torch.float64))
+    for block in blocks:
+        if sctx.probe is not None:
+            sctx.probe(block.layer_idx, a, b)
+        b_new = snap(lam * a, floor=True) + b + snap(layer_update(block, b, sctx.for_layer(block.position_key)))
+        a, b = b - b_new, b_new
+    aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
+    return b.to(h.dtype), aux
+
+
+def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: int) -> list[float]:
+    """Per block, bottom to top: max |rebuilt - forward| of its fixed-point inputs (a, b), the rebuild as the
+    backward runs it (choices replayed), relative to the stream scale: 0.0 wherever the recompute is bitwise."""
+    inputs, records, lost = [], [], []
+    with torch.no_grad():
+        a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+        for block in blocks:
+            inputs.append((a, b))
+            lost.append(pack_low_bits(a, bits))
+            records.append([])
+            a, b = _step(a, b, layer_update(block, from_fixed(b), sctx.for_layer(block.position_key), records[-1]),
+                         bits)
+        errors = []
+        for block, recs, packed, (a_0, b_0) in zip(reversed(blocks), reversed(records), reversed(lost),
+                                                   reversed(inputs)):
+            b_prev = a + b
+            d, _ = _recompute(block, b_prev, None, sctx.for_layer(block.position_key), recs)
+            a, b = _unstep(a, b, b_prev, d, packed, bits), b_prev
+            scale = max(float(b_0.abs().max()), float(a_0.abs().max()), 1.0)
+            errors.append(max(float((a - a_0).abs().max()), float((b - b_0).abs().max())) / scale)
+    return errors[::-1]

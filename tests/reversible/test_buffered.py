@@ -1,0 +1,115 @@
+"""The buffered coupling (`reversible.buffered`): every decoder layer whole on fixed-point streams, rebuilt bitwise
+from the top with k bits a coordinate a layer, its gradients the plain twin's, and at init the HF model to 2^-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from revffn.conversion.convert import convert
+from revffn.conversion.teacher import teacher_context, teacher_layer
+from revffn.models.loading import build_hf, config_overrides
+from revffn.reports.check import make_batch, run_check
+from revffn.reversible.buffered import RebuildError, pack_low_bits, unpack_low_bits
+from tests.conftest import GENERIC, REQUIRED
+
+
+def _hf(name: str = "tiny-qwen2-moe", layers: int = 6):
+    return build_hf(name, torch.float32, 0, torch.device("cpu"),
+                    **config_overrides(name, layers, None, shipped_vocab=False))
+
+
+def _model(name: str = "tiny-qwen2-moe", layers: int = 6, bits: int = 4):
+    hf = _hf(name, layers)
+    return convert(hf, coupling="buffered", buffer_bits=bits).train(), make_batch(hf.config.vocab_size, 2, 32, 0)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_the_low_bits_pack_and_unpack(bits):
+    a = torch.randint(-2**40, 2**40, (3, 7, 5), dtype=torch.int64)  # 105 elements: not a multiple of 8
+    packed = pack_low_bits(a, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == bits * 14  # bits planes of ceil(105 / 8) bytes
+    assert torch.equal(unpack_low_bits(packed, a.shape), a & ((1 << bits) - 1))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_every_layer_input_is_rebuilt_bitwise(name):
+    model, (ids, mask, _) = _model(name)
+    assert model.rebuild_errors(ids, mask) == [0.0] * 6
+    assert model.adapter_parameters() == []  # whole layers: nothing added to the HF model
+
+
+@pytest.mark.parametrize("model_name", REQUIRED + [GENERIC])
+def test_fp32_parity_with_the_plain_twin(model_name):
+    """Reversible (fixed point, bit buffer) against the plain twin (float64 streams, ordinary autograd), routers
+    trainable with the load-balancing loss: every parameter's gradient."""
+    r = run_check(model_name, layers=4, dtype="float32", batch=2, seq=24, coupling="buffered")
+    print(model_name, {k: r[k] for k in ("max_rel_grad_error", "max_reconstruction_error", "conversion_gap")})
+    assert r["coupling"] == "buffered" and r["passed"]
+    assert r["max_rel_grad_error"] <= 1e-5
+    assert r["saved_bytes_reversible"] < r["saved_bytes_plain"] / 5
+
+
+def test_the_twin_is_the_hf_decoder_layers_with_the_coupling():
+    """F + G of each block is its HF decoder layer's update: the twin equals the recurrence b' = lam a + layer(b),
+    a' = b - b' computed with the HF layers themselves; and lam -> 0 is the unconverted model."""
+    hf = _hf(layers=4)
+    ids, mask, _ = make_batch(hf.config.vocab_size, 2, 16, 0)
+    with torch.no_grad():
+        base = hf(input_ids=ids, attention_mask=mask).logits
+    gaps = {}
+    for bits in (2, 8):
+        model = convert(_hf(layers=4), coupling="buffered", buffer_bits=bits).eval()
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask).logits
+            h, pos, sctx = teacher_context(model, ids, mask)
+            a, b = torch.zeros_like(h), h
+            for block in model.blocks:
+                b_new = 2.0 ** -bits * a + teacher_layer(block, b, sctx, pos)
+                a, b = b - b_new, b_new
+            ref = model.hf.lm_head(model.hf.model.norm(b))
+        assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
+        gaps[bits] = (out - base).abs().max().item()
+    assert 0 < gaps[8] < gaps[2] / 10
+
+
+def test_a_recompute_that_is_not_bitwise_is_refused():
+    """A layer that computes differently in backward than in forward (here: noise on its second call, as a
+    nondeterministic kernel would) leaves the rebuilt input off by 2^k a layer: the backward raises."""
+    model, (ids, mask, labels) = _model(layers=3)
+    g = model.blocks[1].G
+    calls = []
+
+    def noisy(x, sctx):
+        calls.append(1)
+        out = g(x, sctx)
+        return out + 1e-6 if len(calls) > 1 else out
+
+    model.blocks[1].G = noisy
+    with pytest.raises(RebuildError, match="bitwise"):
+        model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+
+
+def test_the_buffer_is_k_bits_a_coordinate_a_layer():
+    for layers, bits in ((2, 4), (4, 4), (4, 2)):
+        model, (ids, mask, labels) = _model(layers=layers, bits=bits)
+        model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+        assert model.last_stack_stats["buffer_bytes"] == layers * bits * ids.numel() * model.config.hidden_size // 8
+
+
+def test_the_backward_recomputes_a_layer_by_chunks_of_whole_sequences():
+    """recompute_chunk_tokens: each layer recomputed and back-propagated a chunk of sequences at a time (its router
+    choices and load-balancing rows sliced to them): the same gradients as the whole batch at once."""
+    grads = {}
+    for chunk in (0, 64):
+        hf = _hf(layers=3)
+        model = convert(hf, coupling="buffered").train()
+        model.recompute_chunk_tokens = chunk
+        ids, mask, labels = make_batch(hf.config.vocab_size, 4, 32, 0)
+        model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+        grads[chunk] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        stats = model.last_stack_stats.get("recompute_chunks", {})
+        assert stats == ({0: 2, 1: 2, 2: 2} if chunk else {})
+    assert grads[0].keys() == grads[64].keys() and any("gate" in n for n in grads[0])  # routers trained: the aux
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[64][n], g, rtol=1e-5, atol=1e-8), n
