@@ -182,6 +182,9 @@ class HFRevBlock(RevBlock):
     included, which the half-width streams split between them (docs/conversion.md: on SmolLM2 the
     half-width conversion loses +8 nats, the full-width one far less).
 
+    `adapters=False` (the buffered coupling, `reversible.buffered`): no P_down either, F and G are the layer's own
+    attention and MoE branches (at full width, no P_up): the block's decoder layer exactly, as F and G.
+
     The skips (`skip=True`; `revffn.adapter_skip`) are (half) d/2 x d/2 linear maps, one per branch. F still
     depends on X_2 alone and G on Y_1 alone, so the block stays exactly invertible. They give back the
     residual path the split cuts: without them X_1 only ever receives attention outputs and X_2 only
@@ -202,7 +205,7 @@ class HFRevBlock(RevBlock):
 
     def __init__(self, base_layer: nn.Module, spec: ArchSpec, layer_idx: int, num_layers: int,
                  hidden_size: int, mask_key: str, tap: RouterTap | None, config=None, skip: bool = False,
-                 stream_width: str = "half"):
+                 stream_width: str = "half", adapters: bool = True):
         super().__init__()
         if stream_width not in STREAM_WIDTHS:
             raise UserError(f"unknown stream width {stream_width!r}. Fix: revffn.stream_width must be one of "
@@ -225,8 +228,9 @@ class HFRevBlock(RevBlock):
         h = d // 2 if stream_width == "half" else d  # a stream's width
         kw = dict(bias=False, device=ref.device, dtype=ref.dtype)
         up = (lambda: nn.Linear(h, d, **kw)) if stream_width == "half" else (lambda: None)  # full: the identity
-        self.p_up_attn, self.p_down_attn = up(), nn.Linear(d, h, **kw)
-        self.p_up_moe, self.p_down_moe = up(), nn.Linear(d, h, **kw)
+        down = (lambda: nn.Linear(d, h, **kw)) if adapters else (lambda: None)  # None: the branch's own output
+        self.p_up_attn, self.p_down_attn = up(), down()
+        self.p_up_moe, self.p_down_moe = up(), down()
         self.p_skip_attn = nn.Linear(h, h, **kw) if skip else None
         self.p_skip_moe = nn.Linear(h, h, **kw) if skip else None
 
@@ -483,11 +487,9 @@ class RevFFNForCausalLM(nn.Module):
             router = get_path(layer, f"{spec.mlp}.{spec.router}", None)
             tap = RouterTap(router, spec.router_logits_index) if isinstance(router, nn.Module) and n_exp else None
             block = HFRevBlock(layer, spec, i, len(layers), config.hidden_size, self._mask_key(i), tap, config,
-                               skip=adapter_skip, stream_width=stream_width)
+                               skip=adapter_skip, stream_width=stream_width, adapters=coupling == "additive")
             block.position_key = config.layer_types[i] if self.rope.per_layer else None
-            if coupling == "buffered":
-                block.p_down_attn = block.p_down_moe = None  # F and G: the layer's own branches
-            else:
+            if coupling == "additive":  # (buffered: F and G are the layer's own branches)
                 init_adapters(block, adapter_init)
             layers[i] = block
 

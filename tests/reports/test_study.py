@@ -210,6 +210,9 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     assert worker.train_config(full, tmp_path / "f")["model"] == "builtin:smollm2"
     assert full["retention_data"] == "builtin:pydoc_text" and full["probes"] == "builtin:smollm2_probes"
     assert "revffn" not in worker.train_config(full, tmp_path / "f")
+    buffered = plan_for(False, "builtin:smollm2", sets=["revffn.coupling=buffered"])  # nothing to calibrate: the base
+    assert not buffered.converts_once("revffn")
+    assert study._job(buffered, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)["model"] is None
 
 
 def test_set_and_lr_grid_reach_the_runs(tmp_path):

@@ -62,3 +62,15 @@ def test_a_real_models_table_adds_probes_and_tokens_to_target(tmp_path):
     text = page.read_text()
     assert conversion_gap.render(data) in text and "old" not in text and text.endswith("after\n")
     assert json.loads((tmp_path / "conversion_smollm2_moe.json").read_text()) == data  # the JSON beside the page
+
+
+def test_a_buffered_row_needs_no_calibration_or_heal():
+    """The buffered coupling's row (`buffered_row`): no calibration text, no heal, and the target reached with 0 heal
+    tokens."""
+    data = {"model": "builtin:smollm2", "base_probes": 1.0, "rows": [
+        {"name": "base (unconverted)", "loss": 2.94},
+        {"name": "buffered coupling, 6 bits (no adapters)", "status": "ok", "coupling": "buffered", "buffer_bits": 6,
+         "loss": 2.95, "calibration_s": 0.0, "peak_rss_bytes": 2**30, "tokens_to_target": 0, "probes": 0.93}]}
+    line = conversion_gap.render(data).splitlines()[-1]
+    assert line == ("| buffered coupling, 6 bits (no adapters) | – | – | **2.950** | +0.010 | 0 | – | 1024 MiB | 93 % "
+                    "| 0 (no heal) |")
