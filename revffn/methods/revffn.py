@@ -577,8 +577,8 @@ class RevFFNMethod(Method):
         """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each), every layer's
         dropped bits (buffer_bits / 8 bytes a coordinate a layer) and the routing records; backward one layer's
         working set, by chunks of whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T)
-        of the B), and seven (B, T, d) tensors of 8 bytes, whole. Every parameter trains but the frozen routers.
-        Not yet checked against the bench (`tests/memory` checks the additive coupling's)."""
+        of the B) with its float64 tensors, and two float64 gradient streams, whole. Every parameter trains but the
+        frozen routers. Not yet checked against the bench (`tests/memory` checks the additive coupling's)."""
         m, N, counts = ctx.m, ctx.N, ctx.counts
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
@@ -586,9 +586,10 @@ class RevFFNMethod(Method):
         trainable = counts["total"] - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4
         chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
-        # beside the saved streams, the backward's own (B, T, d) tensors of 8 bytes: the layer's input (int64 and
-        # float64), its update, its input's gradient and the gradient streams g_a, g_b, g_b - g_a
-        working = int(max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers)) * chunk) + 7 * N * m.d * 8
+        # beside the saved streams (rebuilt in place): two float64 gradient streams and a byte a coordinate of unpacked
+        # bits, whole; a span's float64 input, branch outputs, update and input gradient, by chunks
+        layer = max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers))
+        working = int((layer + 4 * N * m.d * 8) * chunk) + 2 * N * m.d * 8 + N * m.d
         notes = (f"revffn coupling buffered: two int64 d streams + {buffer_bits} bits a coordinate a layer "
                  f"({buffer / 2**20:.1f} MiB: grows with depth) + routing records ({records} bytes) kept; one layer's "
                  "working set in backward" + (f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"

@@ -74,12 +74,12 @@ def pack_low_bits(a: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_low_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """int64 tensor of `shape` from `pack_low_bits`."""
+    """The low bits `pack_low_bits` kept, as a uint8 tensor of `shape` (one byte a coordinate, not eight)."""
     n = shape.numel()
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    out = torch.zeros(packed.shape[1] * 8, dtype=torch.int64, device=packed.device)
+    out = torch.zeros(packed.shape[1] * 8, dtype=torch.uint8, device=packed.device)
     for j, plane in enumerate(packed):
-        out |= (((plane[:, None] >> shifts) & 1).reshape(-1).to(torch.int64) << j)
+        out |= ((plane[:, None] >> shifts) & 1).reshape(-1) << j
     return out[:n].view(shape)
 
 
@@ -139,48 +139,53 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
     return d
 
 
-def _recompute(block, b_prev: torch.Tensor, g_new: torch.Tensor | None, sctx: StackContext, records: list,
-               d_aux=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """D(x) for x the fixed-point b_prev, recomputed span by span under each span's records, and (given `g_new`)
-    g_new back-propagated through it, with the load-balancing surrogate's gradient given `d_aux`; param grads
-    accumulate into `.grad`, all spans but the last partial (`PartialGradients`). Returns D(x) and x's gradient
-    (None without `g_new`), detached."""
-    x_all = from_fixed(b_prev)
-    spans = _spans(block, x_all, sctx)
-    d = torch.empty_like(x_all)
-    grad_x = torch.zeros_like(x_all) if g_new is not None else None
+def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, records: list, packed: torch.Tensor,
+                 bits: int, grads: tuple[torch.Tensor, torch.Tensor] | None = None, d_aux=None):
+    """In place, the layer's output (a, b) becomes its input: b = a + b, then its update D(b) recomputed span by
+    span under each span's records (`_spans`, as the forward ran it), a = ((-a - D(b)) << bits) + the dropped bits.
+    With `grads` (g_a, g_b), the gradients w.r.t. the output, back-propagate through the layer (param grads
+    accumulate into `.grad`, every span but the last partial, `PartialGradients`; the load-balancing surrogate's
+    given `d_aux`) and return those w.r.t. its input, in the same two buffers:
+
+        g_new = g_b - g_a (b' feeds a' = b - b' with a minus);   g_a <- lam g_new;   g_b <- g_a + g_new + J^T g_new
+    """
+    b += a
+    low = unpack_low_bits(packed, a.shape)
+    if grads is not None:
+        g_a, g_b = grads
+        g_b -= g_a  # g_new
+    spans = _spans(block, b, sctx)
     for i, ((rows, cctx), recs) in enumerate(zip(spans, records)):
-        with torch.enable_grad() if g_new is not None else torch.no_grad():
-            x = _piece(x_all, rows).detach().requires_grad_(g_new is not None)
+        at = slice(None) if rows is None else rows
+        with torch.enable_grad() if grads is not None else torch.no_grad():
+            x = from_fixed(b[at]).requires_grad_(grads is not None)
             with _replaying(recs[0], cctx):
                 f = block.F(x, cctx)
             with _replaying(recs[1], cctx):
                 g = block.G(x + f, cctx)
             logits = block.router_tap.take() if block.router_tap is not None else None
-            out = f + g
-            if g_new is not None:
-                outputs, grads = [out], [_piece(g_new, rows)]
+            d = f + g
+            if grads is not None:
+                outputs, gs = [d], [g_b[at]]
                 if d_aux is not None and logits is not None:
                     outputs.append(cctx.aux.surrogate(logits, d_aux))
-                    grads.append(None)
-                grad = sctx.partial.backprop(outputs, grads, x, partial=i + 1 < len(spans))
+                    gs.append(None)
+                grad = sctx.partial.backprop(outputs, gs, x, partial=i + 1 < len(spans))
+                g_a[at] += g_b[at]
                 if grad is not None:
-                    grad_x[rows if rows is not None else slice(None)] = grad
-        d[rows if rows is not None else slice(None)] = out.detach()
+                    g_a[at] += grad
+        a[at] = ((-a[at] - to_fixed(d.detach())) << bits) + low[at].to(torch.int64)
     if len(spans) > 1:
         sctx.stats.setdefault("recompute_chunks", {})[block.layer_idx] = len(spans)
-    return d, grad_x
+    if grads is not None:
+        g_b *= 2.0 ** -bits
+        return g_b, g_a
+    return None
 
 
 def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     b_new = (a >> bits) + b + to_fixed(d)
     return b - b_new, b_new
-
-
-def _unstep(a: torch.Tensor, b: torch.Tensor, b_prev: torch.Tensor, d: torch.Tensor, packed: torch.Tensor,
-            bits: int) -> torch.Tensor:
-    """The layer's input a, from its output (a, b), its input b_prev = a + b, its update d and the dropped bits."""
-    return ((b - b_prev - to_fixed(d)) << bits) + unpack_low_bits(packed, a.shape)
 
 
 class BufferedStackFunction(torch.autograd.Function):
@@ -229,17 +234,13 @@ class BufferedStackFunction(torch.autograd.Function):
         saved = iter(rest[ctx.n_ctx :])
         per_block = [[[SubBlockRecord.from_layout(x, saved) for x in pair] for pair in spans] for spans in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable and d_aux is not None
-        lam = 2.0 ** -ctx.bits
-        g_b = d_out.to(torch.float64) if d_out is not None else torch.zeros(ctx.shape, dtype=torch.float64,
-                                                                             device=a.device)
+        g_b = d_out.to(torch.float64, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=torch.float64,
+                                                                                      device=a.device)
         g_a = torch.zeros_like(g_b)
         for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
-            b_prev = a + b
-            g_new = g_b - g_a  # the gradient reaching b' (a' = b - b' reads it with a minus)
-            d, grad_x = _recompute(block, b_prev, g_new, sctx.for_layer(block.position_key), records,
-                                   d_aux if use_aux else None)
-            a, b = _unstep(a, b, b_prev, d, packed, ctx.bits), b_prev
-            g_a, g_b = lam * g_new, g_a + g_new + grad_x
+            # the saved streams are this backward's own buffers: each layer's input is rebuilt into them
+            g_a, g_b = invert_layer(block, a, b, sctx.for_layer(block.position_key), records, packed, ctx.bits,
+                                    (g_a, g_b), d_aux if use_aux else None)
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, from_fixed(a), from_fixed(b))
         if bool(a.any()):  # a starts at 0: a recompute that was not bitwise leaves it nonzero (x 2^k a layer)
@@ -284,9 +285,7 @@ def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: i
         errors = []
         for block, recs, packed, (a_0, b_0) in zip(reversed(blocks), reversed(records), reversed(lost),
                                                    reversed(inputs)):
-            b_prev = a + b
-            d, _ = _recompute(block, b_prev, None, sctx.for_layer(block.position_key), recs)
-            a, b = _unstep(a, b, b_prev, d, packed, bits), b_prev
+            invert_layer(block, a, b, sctx.for_layer(block.position_key), recs, packed, bits)
             scale = max(float(b_0.abs().max()), float(a_0.abs().max()), 1.0)
             errors.append(max(float((a - a_0).abs().max()), float((b - b_0).abs().max())) / scale)
     return errors[::-1]

@@ -29,7 +29,7 @@ def test_the_low_bits_pack_and_unpack(bits):
     a = torch.randint(-2**40, 2**40, (3, 7, 5), dtype=torch.int64)  # 105 elements: not a multiple of 8
     packed = pack_low_bits(a, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == bits * 14  # bits planes of ceil(105 / 8) bytes
-    assert torch.equal(unpack_low_bits(packed, a.shape), a & ((1 << bits) - 1))
+    assert torch.equal(unpack_low_bits(packed, a.shape).to(torch.int64), a & ((1 << bits) - 1))
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-mixtral"])
