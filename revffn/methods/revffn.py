@@ -302,6 +302,10 @@ class RevFFNMethod(Method):
                 init_adapters(block, self.opts["adapter_init"])
             self._calibrate(model)
         self._pick_streams(model)
+        if self.opts["coupling"] == "buffered" and next(model.parameters()).device.type == "cuda":
+            # the backward recomputes every layer bitwise or raises (`reversible.buffered.RebuildError`): an MoE's
+            # index_add_ accumulates with atomics on CUDA unless deterministic algorithms are on
+            torch.use_deterministic_algorithms(True, warn_only=True)
 
     def state_dict(self) -> dict:
         """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
