@@ -221,7 +221,7 @@ class BufferedStackFunction(torch.autograd.Function):
         sctx.stats["record_bytes"] = sum(t.numel() * t.element_size() for t in choices)
         sctx.stats["rng_bytes"] = sum(t.numel() * t.element_size() for t in rng)
         sctx.stats["buffer_bytes"] = sum(t.numel() for t in lost)
-        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng + lost}
+        sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng}  # (the buffer counts)
         ctx.save_for_backward(a, b, *lost, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
         ctx.set_materialize_grads(False)
         return from_fixed(b).to(h.dtype), aux

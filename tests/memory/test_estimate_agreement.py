@@ -58,7 +58,7 @@ def test_estimate_within_15_percent_of_the_bench(method):
 
 OPTION_VARIANTS = ["full:optimizer=adafactor", "full:optimizer_in_backward=true",
                    "revffn:optimizer=adafactor:optimizer_in_backward=true", "revffn:revffn.stream_width=full",
-                   "revffn:revffn.train_adapters=false",
+                   "revffn:revffn.train_adapters=false", "revffn:revffn.coupling=buffered",
                    pytest.param("revffn:optimizer=adamw8bit:optimizer_in_backward=true", marks=pytest.mark.integration),
                    pytest.param("full:optimizer=adamw4bit", marks=pytest.mark.integration)]
 
