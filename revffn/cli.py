@@ -383,8 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--adapter-init", default="coordinate", choices=["coordinate", "zero", "random"])
     c.add_argument("--hidden", type=_positive, default=None, help="override hidden_size (other widths keep ratio)")
     c.add_argument("--stream-width", default="full", choices=["full", "half"], help="the reversible streams' width")
-    c.add_argument("--coupling", default="additive", choices=["additive", "buffered"], help="additive (adapters) | "
-                   "buffered (the decoder layers whole on fixed-point streams; revffn.coupling)")
+    c.add_argument("--coupling", default="buffered", choices=["additive", "buffered"], help="buffered (the decoder "
+                   "layers whole on fixed-point streams; revffn.coupling's default) | additive (adapters)")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
@@ -475,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "when --jobs > 1, else torch's)")
     q.set_defaults(fn=cmd_study)
 
-    k = sub.add_parser("convert", help="convert a model to RevFFN once (calibrated, optionally healed) into a "
-                       "directory that `revffn train model=DIR method=revffn` starts from")
+    k = sub.add_parser("convert", help="convert a model to RevFFN once (buffered; or additive: calibrated, optionally "
+                       "healed) into a directory that `revffn train model=DIR method=revffn` starts from")
     k.add_argument("model", help="builtin:base, a tiny preset or a local HF model directory")
     k.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
     k.add_argument("--calibration-data", default=DEFAULT_CALIBRATION, help="general text, not task data: a data "
@@ -497,9 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(revffn.adapter_skip: false)")
     k.add_argument("--stream-width", default="full", help="full (two d-wide streams, the default) | half (two d/2 "
                    "streams, the paper's; revffn.stream_width)")
-    k.add_argument("--coupling", default="additive", help="additive (adapters, calibrated and healed) | buffered (the "
-                   "decoder layers whole on fixed-point streams, the model to 2^-buffer_bits: no calibration, no "
-                   "heal; revffn.coupling)")
+    k.add_argument("--coupling", default="buffered", help="buffered (the default: the decoder layers whole on "
+                   "fixed-point streams, the model to 2^-buffer_bits: no calibration, no heal) | additive (adapters, "
+                   "calibrated and optionally healed; revffn.coupling)")
     k.add_argument("--buffer-bits", type=_positive, default=None, help="the buffered coupling's bits a coordinate "
                    "a layer (1-8; default: revffn.buffer_bits's, 6)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "

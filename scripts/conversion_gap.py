@@ -91,8 +91,9 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     """One `revffn convert` in a fresh process (`calibration`, `heal`: keys of `src`); the row from its revffn.json
     (and, with `probes`, the converted model's probe accuracy from `revffn eval --match contains`)."""
     target = out / "models" / "".join(c if c.isalnum() else "_" for c in name)
-    cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite",
-           "--calibration-data", src[calibration], "--calibration-tokens", str(tokens), "--stream-width", width]
+    cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite", "--coupling",
+           "additive", "--calibration-data", src[calibration], "--calibration-tokens", str(tokens),
+           "--stream-width", width]
     if eval_data:
         cmd += ["--eval-data", eval_data]
     if heal:

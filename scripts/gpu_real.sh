@@ -4,8 +4,9 @@
 #      `coordinate` and the calibrated variants, and two HEAL_STEPS-step heals measured on builtin:pydoc_text along
 #      the way (the defaults: calibrated on builtin:stdlib_text, healed on it at --heal-lr auto; the best CPU variant: the manual's other pages, lr 1e-4),
 #      each with its knowledge probes (builtin:smollm2_probes, containment) and tokens-to-target (base + 0.2 nats);
-#   2. `revffn study --base builtin:smollm2` with a GPU budget: STUDY_STEPS optimizer steps a run, 3 seeds, its one
-#      conversion healed STUDY_HEAL steps (`--heal-steps`), JOBS runs at once on the one GPU;
+#   2. `revffn study --base builtin:smollm2` with a GPU budget: STUDY_STEPS optimizer steps a run, 3 seeds, JOBS runs at
+#      once on the one GPU (RevFFN's default, the buffered coupling; with STUDY_ARGS="--set revffn.coupling=additive"
+#      and STUDY_HEAL=400 the additive coupling's one conversion healed that many steps, stop 43's);
 #   3. `revffn study --base builtin:smollm2-moe` with RevFFN's buffered coupling (`revffn.coupling: buffered`, its
 #      LRs full's): the MoE study of issue 23, which the CPU budget did not reach (PART=moe-study).
 # Each part is sized for one device command of at most 10 minutes on an H100/H200 (PART=gap, PART=study,
@@ -29,11 +30,11 @@ cd "$ROOT"
 
 MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
-STUDY_HEAL="${STUDY_HEAL:-400}"; JOBS="${JOBS:-3}"
+STUDY_HEAL="${STUDY_HEAL:-0}"; JOBS="${JOBS:-3}"; HEAL_FLAG=()
 read -r -a STUDY_ARGS <<<"${STUDY_ARGS:-}"  # more study flags, e.g. "--set revffn.stream_dtype=float32"
 PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
-  MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; STUDY_HEAL=2; JOBS=1
+  MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; JOBS=1
 fi
 NAME=gpu_real
 source "$ROOT/scripts/gpu_common.sh"  # DEST, LOG, PY, log(); the package importable; the packages and the GPU, or exit 2
@@ -57,8 +58,9 @@ fi
 # -- 2. the quality study on the dense real base, GPU budget ---------------------------------------------------
 if [ "$PART" = all ] || [ "$PART" = study ]; then
 rm -rf "$DEST/study"
-log "revffn study --base $DENSE --steps $STUDY_STEPS --heal-steps $STUDY_HEAL --jobs $JOBS ${STUDY_ARGS[*]} ${QUICK[*]+${QUICK[*]}}"
-timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" --heal-steps "$STUDY_HEAL" --jobs "$JOBS" \
+[ "$STUDY_HEAL" -gt 0 ] && HEAL_FLAG=(--heal-steps "$STUDY_HEAL")
+log "revffn study --base $DENSE --steps $STUDY_STEPS ${HEAL_FLAG[*]+${HEAL_FLAG[*]}} --jobs $JOBS ${STUDY_ARGS[*]} ${QUICK[*]+${QUICK[*]}}"
+timeout "$LIMIT" "$PY" -m revffn study --base "$DENSE" --steps "$STUDY_STEPS" ${HEAL_FLAG[@]+"${HEAL_FLAG[@]}"} --jobs "$JOBS" \
   ${STUDY_ARGS[@]+"${STUDY_ARGS[@]}"} ${QUICK[@]+"${QUICK[@]}"} --out "$DEST/study" \
   2>&1 | tee -a "$LOG" >/dev/null
 rc=${PIPESTATUS[0]}

@@ -71,12 +71,14 @@ RECOMPUTE_CHUNK_TOKENS = 1024
 class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
-        "coupling": Key(str, "additive", "additive: Y_1 = X_1 + F(X_2), Y_2 = X_2 + G(Y_1), the pretrained attention "
-                        "and MoE between calibrated adapters (a heal, stage 1, then stage 2); buffered: every decoder "
-                        "layer whole on int64 fixed-point streams, h' = h + layer update - 2^-buffer_bits x the "
-                        "previous update, exactly invertible with buffer_bits bits a coordinate a layer kept for the "
-                        "backward: no adapters, no calibration, no stage 1 (SmolLM2: +0.01 nats at 6 bits against "
-                        "+1.8 calibrated; docs/conversion.md)", choices=COUPLINGS),
+        "coupling": Key(str, "buffered", "buffered: every decoder layer whole on int64 fixed-point streams, h' = h + "
+                        "layer update - 2^-buffer_bits x the previous update, exactly invertible with buffer_bits bits "
+                        "a coordinate a layer kept for the backward: no adapters, no calibration, no stage 1, the "
+                        "pretrained model to +0.006 nats (SmolLM2); additive: Y_1 = X_1 + F(X_2), Y_2 = X_2 + G(Y_1), "
+                        "the pretrained attention and MoE between calibrated adapters, a heal (stage 1) then stage 2, "
+                        "activation memory flat in depth (SmolLM2: +1.8 nats calibrated; docs/conversion.md); the "
+                        "options below from adapter_warmup_steps to fold_adapters are the additive coupling's",
+                        choices=COUPLINGS),
         "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
                            "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "
                            "layer input; SmolLM2 keeps 71 of 76 probe answers at 6, 67 at 4)",
@@ -156,7 +158,7 @@ class RevFFNMethod(Method):
     # the defaults (calibrated, heal on self) at the paper's half width: the study of docs/study.md ran on the 4-layer
     # builtin:base at it, which learns the toy tasks faster than full width (the quickstart: 90 % against 62 %)
     # and `self` calibration text, the default when it ran
-    STUDY_OPTIONS = {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
+    STUDY_OPTIONS = {"coupling": "additive", "adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
                      "calibration_data": SELF, "heal_data": SELF, "train_adapters": True}  # as when it ran
     STUDY_GAP_VARIANTS = {  # the paper's four adapters, the old default (coordinate init, task warm-up, no
         # skips) and the stage-2 guard by each teacher route (a frozen copy; the cached final states and the head)
@@ -261,9 +263,14 @@ class RevFFNMethod(Method):
         """stream_dtype auto: float32 or float64 streams, from the rebuild error of the model as it will start
         training (adapters calibrated or loaded, on its device, sharded or not; `after_load`). A resumed run keeps
         the first run's choice (`state_dict`; applied by `restructure`), measured on the weights it started from."""
-        if self.opts["stream_dtype"] != AUTO or self.resuming or self.opts["coupling"] == "buffered":
-            return  # (buffered: the streams are fixed point, rebuilt bitwise)
         from revffn.methods.calibration import log_line
+
+        if self.opts["coupling"] == "buffered":  # the streams are fixed point, rebuilt bitwise
+            log_line(f"coupling buffered: every decoder layer whole on int64 fixed-point streams, "
+                     f"{self.opts['buffer_bits']} bits a coordinate a layer kept for the backward")
+            return
+        if self.opts["stream_dtype"] != AUTO or self.resuming:
+            return
 
         reduce = (lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)) \
             if data_shard()[1] > 1 else None
@@ -519,7 +526,7 @@ class RevFFNMethod(Method):
 
         The buffered coupling (`_buffered_terms`) instead: no adapters and no stage 1."""
         if coupling == "buffered":
-            return cls._buffered_terms(ctx, freeze_router, buffer_bits, recompute_chunk_tokens)
+            return cls._buffered_terms(ctx, freeze_router, buffer_bits, recompute_chunk_tokens, distill_coef)
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
         # auto picks float32 or float64 from the weights, which an estimate does not read: counted as float32 (what
         # it picks at random init, the bench's models), the difference stated
@@ -577,12 +584,13 @@ class RevFFNMethod(Method):
 
     @classmethod
     def _buffered_terms(cls, ctx: MemoryContext, freeze_router: bool, buffer_bits: int,
-                        recompute_chunk_tokens: int) -> MemoryTerms:
+                        recompute_chunk_tokens: int, distill_coef: float = 0.0) -> MemoryTerms:
         """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each), every layer's
         dropped bits (buffer_bits / 8 bytes a coordinate a layer) and the routing records; backward one layer's
         working set, by chunks of whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T)
         of the B) with its float64 tensors, and two float64 gradient streams, whole. Every parameter trains but the
-        frozen routers. Static and forward bytes: within 0.2 % of the bench (tests/memory)."""
+        frozen routers. Static and forward bytes: within 0.2 % of the bench (tests/memory). distill_coef > 0: a frozen
+        copy of the weights (the copy route; the cached one is not built for this coupling) and its final states."""
         m, N, counts = ctx.m, ctx.N, ctx.counts
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
@@ -599,6 +607,12 @@ class RevFFNMethod(Method):
                  "working set in backward" + (f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
                                               if chunk < 1 else ""),
                  f"revffn: no adapters; {'router frozen' if freeze_router else 'router trainable'}; no calibration")
-        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * m.d * 8 + buffer + records
-        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=0,
-                           recompute_working_set=working, routing_records=records, notes=notes)
+        teacher = counts["total"] if distill_coef > 0 else 0
+        if teacher:
+            notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights, {teacher} params "
+                      f"({teacher * ctx.s / 2**30:.2f} GiB, counted under weights), and its (B, T, d) final states",)
+        act_fwd = (ctx.outside + ctx.mask_bytes + 2 * N * m.d * 8 + buffer + records
+                   + (N * m.d * ctx.s if teacher else 0))
+        return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=teacher,
+                           recompute_working_set=working, routing_records=records, notes=notes,
+                           loads_whole=bool(teacher))

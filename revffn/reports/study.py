@@ -85,21 +85,22 @@ class StudyBase:
 # the conversion calibrated on the manual's other pages (docs/conversion.md's best calibrated variant: the
 # same domain as the retention text, which favours RevFFN's retention figure; `self` text loses far more)
 # and trains everything from step 1 (a heal step of the real model on 2 CPU cores: docs/conversion.md).
-REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-4, 3e-4),
+REAL_LR_GRID = {"full": (1e-5, 3e-5), "hift": (1e-5, 3e-5), "revffn": (1e-5, 3e-5),
                 "lora": (3e-4, 1e-3), "dora": (3e-4, 1e-3), "refta": (3e-4, 1e-3)}
-REAL_CONVERT = ("--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens", "16384")
+REAL_CONVERT = ("--coupling", "additive", "--calibration-data", "builtin:pydoc_calibration", "--calibration-tokens",
+                "16384")  # the additive coupling's one conversion (the buffered one trains from the base)
 # `--heal-steps N` (a GPU budget): that conversion also healed N steps on the same text at lr 1e-4, the variant that
 # reached base + 0.28 nats in 400 steps on one H200 (docs/conversion.md, "The first GPU figure")
 REAL_HEAL = ("--heal-data", "builtin:pydoc_calibration", "--heal-lr", "1e-4")
 
 
 def real_base(model: str) -> StudyBase:
-    # RevFFN's defaults: frozen adapters (train_adapters false) and streams by stream_dtype auto (float64 here), whose
-    # LRs are an order above full's (docs/conversion.md, "Where the forgetting in stage 2 comes from"). The committed
-    # real-base pages ran with the adapters trained and float32 streams (the defaults then), at 1e-5 and 3e-5:
-    # --set revffn.train_adapters=true --set revffn.stream_dtype=float32 --lr-grid revffn=1e-5,3e-5 (since stop 46)
+    # RevFFN's defaults: the buffered coupling (stop 47), full fine-tuning of the whole layers with the routers frozen,
+    # at full's LRs, from the base itself (nothing to calibrate). The additive coupling trains from the study's one
+    # conversion (REAL_CONVERT) at an order above: --set revffn.coupling=additive --lr-grid revffn=1e-4,3e-4 (frozen
+    # adapters, stop 46); docs/study_smollm2.md ran it with the adapters trained and float32 streams at 1e-5 and 3e-5
     return StudyBase(model, "builtin:pydoc_text", "builtin:smollm2_probes", REAL_CONVERT,
-                     {"revffn": {"adapter_warmup_steps": 0, "freeze_router": True}})
+                     {"revffn": {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True}})
 
 
 @dataclass(frozen=True)
@@ -460,7 +461,12 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
         plan = replace(plan, overrides=method_sets(plan, sets))
     if grids:
         plan = replace(plan, lr_grid={**plan.lr_grid, **lr_grids(plan, grids)})
-    return replace(plan, **{k: v for k, v in overrides.items() if v})
+    plan = replace(plan, **{k: v for k, v in overrides.items() if v})
+    if heal_steps and not any(plan.converts_once(m) for m in plan.methods):
+        raise UserError(f"--heal-steps {heal_steps}: no method of this study trains a converted model (RevFFN's "
+                        "buffered coupling, the default, trains the base: nothing to heal). Fix: drop --heal-steps, or "
+                        "--set revffn.coupling=additive.")
+    return plan
 
 
 def method_sets(plan: StudyPlan, sets: list[str]) -> dict[str, dict]:

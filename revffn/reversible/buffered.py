@@ -207,15 +207,16 @@ class BufferedStackFunction(torch.autograd.Function):
                 a, b = _step(a, b, d, bits)
             worst = torch.maximum(worst, from_fixed(b).abs().amax())
             aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
-        if not worst.item() < LIMIT:  # one sync a forward; NaN and inf included
-            raise FloatingPointError(f"a decoder layer reached {worst.item():.3g}, beyond the buffered coupling's "
-                                     f"fixed-point range (|x| < {LIMIT:.0f}). Fix: a lower learning rate, or "
-                                     "revffn.coupling=additive.")
+        ctx.shape, ctx.h_dtype, ctx.device = h.shape, h.dtype, h.device
+        ctx.diverged = not worst.item() < LIMIT  # one sync a forward; NaN and inf included
+        if ctx.diverged:  # beyond the fixed-point range the int64 streams hold garbage: the output is NaN, so the
+            # loss is, and the training loop stops as on any diverged run
+            return torch.full_like(h, float("nan")), torch.full_like(aux, float("nan"))
         flat = [r for spans in records for pair in spans for r in pair]
-        ctx.blocks, ctx.bits, ctx.shape = blocks, bits, h.shape
+        ctx.blocks, ctx.bits = blocks, bits
         ctx.layout = [[[r.layout() for r in pair] for pair in spans] for spans in records]
         ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))
-        ctx.n_ctx, ctx.n_lost, ctx.h_dtype = len(sctx.tensors()), len(lost), h.dtype
+        ctx.n_ctx, ctx.n_lost = len(sctx.tensors()), len(lost)
         choices = [t for r in flat for t in r.choices]
         rng = [t for r in flat if r.rng is not None for t in r.rng.tensors()]
         sctx.stats["record_bytes"] = sum(t.numel() * t.element_size() for t in choices)
@@ -228,6 +229,8 @@ class BufferedStackFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_aux):
+        if ctx.diverged:
+            return torch.full(ctx.shape, float("nan"), dtype=ctx.h_dtype, device=ctx.device), None, None, None, None
         a, b, *rest = ctx.saved_tensors
         lost, rest = rest[: ctx.n_lost], rest[ctx.n_lost :]
         sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])

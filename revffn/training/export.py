@@ -76,7 +76,7 @@ class ConvertSpec:
     seed: int = 0
     overwrite: bool = False
     device: str = "cpu"  # cpu | cuda | auto: where the model is calibrated, healed and measured
-    coupling: str = "additive"  # buffered: the decoder layers whole (no adapters: nothing to calibrate or heal)
+    coupling: str = "buffered"  # the decoder layers whole (no adapters: nothing to calibrate or heal); or additive
     buffer_bits: int = DEFAULT_BUFFER_BITS
 
 
@@ -187,7 +187,8 @@ def heal_config(spec: ConvertSpec, lr: float):
         f"learning_rate={lr}", f"warmup_steps={max(steps // 10, 1)}", "lr_scheduler_type=cosine",
         "min_lr_ratio=0.1", "max_grad_norm=1.0", "weight_decay=0.0",
         f"per_device_train_batch_size={spec.heal_batch_size}", "gradient_accumulation_steps=1", "output_dir=unused",
-        f"revffn.adapter_warmup_steps={steps}", f"revffn.heal_data={quoted(spec.heal_data)}",
+        "revffn.coupling=additive", f"revffn.adapter_warmup_steps={steps}",
+        f"revffn.heal_data={quoted(spec.heal_data)}",
         f"revffn.heal_norms={str(spec.heal_norms).lower()}", f"revffn.heal_hidden_coef={spec.heal_hidden_coef}",
         f"revffn.stream_width={spec.stream_width}", f"revffn.adapter_skip={str(spec.adapter_skip).lower()}",
         f"revffn.stream_dtype={spec.stream_dtype}"])

@@ -105,7 +105,8 @@ def test_unfold_writes_the_identity_and_keeps_the_function():
 
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}", "method=revffn",
-        "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=2",
+        "dtype=float32", "device=cpu", "revffn.coupling=additive", "revffn.adapter_init=coordinate",
+        "revffn.adapter_warmup_steps=2",
         "revffn.heal_data=builtin:stdlib_text", "data=builtin:reversal_train", "eval_data=null",
         "max_seq_length=32", "per_device_train_batch_size=4", "max_steps=5", "logging_steps=1", "save_steps=0",
         "learning_rate=1e-3", "warmup_steps=0"]

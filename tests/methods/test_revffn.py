@@ -19,7 +19,8 @@ from tests.methods._util import batch, metrics
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64, vocab_size: 500}",
-        "method=revffn", "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "revffn.heal_data=self",
+        "method=revffn", "dtype=float32", "device=cpu", "revffn.coupling=additive", "revffn.adapter_init=coordinate",
+        "revffn.heal_data=self",
         "learning_rate=1e-3",
         "per_device_train_batch_size=2", "max_steps=6"]
 
@@ -235,7 +236,8 @@ def test_adapter_warmup_ratio_sets_stage_1_and_leaves_a_stage_2(ratio, steps, ex
     assert cls.warmup_steps({"adapter_warmup_steps": 50, "adapter_warmup_ratio": ratio}, steps) == expected
     assert cls.warmup_steps({"adapter_warmup_steps": 7, "adapter_warmup_ratio": None}, steps) == 7
     cfg = load_config(None, ["model=tiny-qwen2-moe", "output_dir=/tmp/unused", f"max_steps={steps}",
-                             "revffn.adapter_warmup_steps=50", f"revffn.adapter_warmup_ratio={ratio}"])
+                             "revffn.coupling=additive", "revffn.adapter_warmup_steps=50",
+                             f"revffn.adapter_warmup_ratio={ratio}"])
     cls.validate(cfg)  # adapter_warmup_steps=50 alone would leave no stage-2 step
     assert cls(cfg).opts["adapter_warmup_steps"] == expected
 

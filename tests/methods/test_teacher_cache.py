@@ -19,7 +19,8 @@ from tests.methods._util import metrics
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size: 64}", "method=revffn",
-        "dtype=float32", "device=cpu", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=0",
+        "dtype=float32", "device=cpu", "revffn.coupling=additive", "revffn.adapter_init=coordinate",
+        "revffn.adapter_warmup_steps=0",
         "revffn.distill_coef=0.5", "data=builtin:reversal_train", "eval_data=null",
         "max_seq_length=32", "per_device_train_batch_size=4", "max_steps=4", "logging_steps=1", "save_steps=0",
         "learning_rate=1e-3", "warmup_steps=0",
@@ -110,9 +111,10 @@ def test_the_estimate_counts_each_teacher_route():
     from revffn.models.loading import hf_config
 
     config, cls = hf_config("qwen1.5-moe-a2.7b"), method_class("revffn")
-    plain = estimate(config, cls, batch=1, seq=512, dtype="bfloat16")
-    copy = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5)
-    cached = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached")
+    plain = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", coupling="additive")
+    copy = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, coupling="additive")
+    cached = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached",
+                    coupling="additive")
     head = config.vocab_size * config.hidden_size
     assert copy["weights"] - plain["weights"] == plain["total_params"] * 2
     assert cached["weights"] - plain["weights"] == head * 2  # the head's copy alone
@@ -121,13 +123,13 @@ def test_the_estimate_counts_each_teacher_route():
     for est in (plain, copy, cached):
         assert est["host_load_bytes"] == est["total_params"] * 2
     whole = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, world_size=8,
-                     distributed="fsdp")
+                     distributed="fsdp", coupling="additive")
     assert whole["host_load_route"] == "whole"  # the teacher copy is taken of the calibrated model: loaded whole
     assert whole["host_load_bytes"] == copy["host_load_bytes"]
     assert any("8 processes on one node" in n for n in whole["notes"])
     # the cached route loads shard by shard: each rank its eighth, and one unit read whole and converted
     sharded = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached",
-                       world_size=8, distributed="fsdp")
+                       world_size=8, distributed="fsdp", coupling="additive")
     largest = max(unit_params(dims(config), count_params(config)))
     assert sharded["host_load_route"] == "sharded"
     assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 2 * largest * 2

@@ -31,7 +31,8 @@ from revffn.models.presets import tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["model=tiny-qwen2-moe", "max_steps=2", "data=builtin:commas_train", "eval_data=null", "eval_generate_limit=0",
          "per_device_train_batch_size=2", "max_seq_length=32", "save_steps=0", "logging_steps=1"]
-REVFFN = ["method=revffn", "revffn.adapter_warmup_steps=0", "revffn.adapter_init=coordinate"]  # no calibration text
+REVFFN = ["method=revffn", "revffn.coupling=additive", "revffn.adapter_warmup_steps=0",
+          "revffn.adapter_init=coordinate"]  # no calibration text
 PROMPTS = ["Put commas between: rope ink tea", "Put commas between: a b"]
 NEW_TOKENS = 16
 

@@ -98,12 +98,13 @@ def test_fp32_streams_drift_on_the_real_depth_and_fp64_streams_rebuild_exactly(w
     `stream_dtype: auto`, measures the drift and takes float64 here."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, "-m", "revffn", "check", "--model", "builtin:smollm2", "--batch", "2", "--seq", "64",
-            "--stream-dtype", "float32", "--json"]
+            "--coupling", "additive", "--stream-dtype", "float32", "--json"]
     fp32 = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     report = json.loads(fp32.stdout.strip().splitlines()[-1])
     assert fp32.returncode == 1 and not report["passed"], report
     assert report["max_rel_grad_error"] > 1e-2, report
-    exact = json.loads(revffn("check", "--model", "builtin:smollm2", "--batch", "2", "--seq", "64", "--json").stdout)
+    exact = json.loads(revffn("check", "--model", "builtin:smollm2", "--batch", "2", "--seq", "64", "--coupling",
+                              "additive", "--json").stdout)
     assert exact["passed"] and exact["stream_dtype"] == "float64", exact
     assert exact["streams"]["stream_dtype"] == "float64" and exact["streams"]["float32_rebuild_error"] > 1e-2, exact
     assert exact["max_reconstruction_error"] == 0.0 and exact["max_rel_grad_error"] == 0.0, exact

@@ -50,12 +50,13 @@ def test_quick_study_runs_every_method_and_writes_the_report(quick):
     # RevFFN's study options (warm-up cut to 1 of the 2 steps): its stage boundary got a retention eval
     assert gap[0]["method"] == "revffn" and gap[0]["adapter_warmup_steps"] == 1
     assert gap[0]["converted_init"] > 0 and gap[0]["after_stage1"] is None  # quick: no eval at the boundary
-    assert data["method_options"] == {"revffn": {"adapter_warmup_steps": 1, "freeze_router": True,
-                                                 "stream_width": "half", "calibration_tokens": 1024,
+    assert data["method_options"] == {"revffn": {"coupling": "additive", "adapter_warmup_steps": 1,
+                                                 "freeze_router": True, "stream_width": "half",
+                                                 "calibration_tokens": 1024,
                                                  "calibration_data": "self", "heal_data": "self",
                                                  "train_adapters": True}}
     yaml_text = (quick / "out" / "runs" / "revffn-commas-s0-lr0.0001.yaml").read_text()
-    assert "revffn:\n  adapter_warmup_steps: 1\n" in yaml_text
+    assert "revffn:\n  coupling: additive\n  adapter_warmup_steps: 1\n" in yaml_text
     md = (quick / "docs" / "study.md").read_text()
     assert md.startswith("# RevFFN quality study\n\nRegenerate: `revffn study --quick")
     assert "| commas | revffn |" in md and "![study_accuracy.png](study/study_accuracy.png)" in md
@@ -147,8 +148,8 @@ def test_plan_derives_from_the_registry_and_validates_methods():
     plan = StudyPlan()
     assert plan.methods == ("full", "revffn", "lora", "dora", "hift", "refta")  # ckpt: no grid (its grads are full's)
     assert plan.lr_grid["revffn"] == (3e-4, 1e-3) and plan.lr_grid["refta"] == (1e-3, 3e-3)
-    assert plan.options("revffn") == {"adapter_warmup_steps": 50, "freeze_router": True, "stream_width": "half",
-                                      "calibration_data": "self", "heal_data": "self",
+    assert plan.options("revffn") == {"coupling": "additive", "adapter_warmup_steps": 50, "freeze_router": True,
+                                      "stream_width": "half", "calibration_data": "self", "heal_data": "self",
                                       "train_adapters": True}  # as the pages ran
     assert plan.options("lora") == {}
     assert plan_for(True, methods=("full", "lora")).methods == ("full", "lora")
@@ -193,26 +194,27 @@ def test_a_stage_boundary_gets_a_retention_eval(tmp_path):
 
 def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     """`--base builtin:smollm2`: full, LoRA and RevFFN on commas, 3 seeds, forgetting on the manual's held-out
-    text and the probes; RevFFN's runs start from the study's one conversion, the others from the base."""
+    text and the probes; RevFFN (the buffered coupling) at full's LRs from the base, and with the additive coupling
+    from the study's one conversion; the others from the base."""
     plan = plan_for(False, "builtin:smollm2")
     assert plan.methods == ("full", "lora", "revffn") and plan.seeds == (0, 1, 2) and plan.tasks == ("commas",)
     assert plan.base.retention_data == "builtin:pydoc_text" and plan.base.probes == "builtin:smollm2_probes"
     assert plan.lr_grid["full"] == (1e-5, 3e-5) and plan.lr_grid["lora"] == (3e-4, 1e-3)
-    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True}  # the method's defaults
-    assert plan.lr_grid["revffn"] == (1e-4, 3e-4)  # frozen adapters learn at an order above full's LR
-    assert plan.converts_once("revffn") and not plan.converts_once("full")
+    assert plan.options("revffn") == {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True}
+    assert plan.lr_grid["revffn"] == plan.lr_grid["full"]  # the buffered coupling is full fine-tuning
+    assert not plan.converts_once("revffn") and not plan.converts_once("full")  # nothing to calibrate: the base
+    assert study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)["model"] is None
     assert plan_for(False, "builtin:smollm2", steps=500, seeds=(0, 1, 2, 3)).steps == 500
     assert not StudyPlan().converts_once("revffn")  # builtin:base: each run converts at prepare, as before
-    rev = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
-    full = study._job(plan, tmp_path, "full", "commas", 0, 1e-5, eval_val=False)
+    additive = plan_for(False, "builtin:smollm2", sets=["revffn.coupling=additive"])
+    assert additive.converts_once("revffn") and not additive.converts_once("full")
+    rev = study._job(additive, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
+    full = study._job(additive, tmp_path, "full", "commas", 0, 1e-5, eval_val=False)
     assert rev["model"] == str(tmp_path / "converted") and full["model"] is None
     assert worker.train_config(rev, tmp_path / "r")["model"] == str(tmp_path / "converted")
     assert worker.train_config(full, tmp_path / "f")["model"] == "builtin:smollm2"
     assert full["retention_data"] == "builtin:pydoc_text" and full["probes"] == "builtin:smollm2_probes"
     assert "revffn" not in worker.train_config(full, tmp_path / "f")
-    buffered = plan_for(False, "builtin:smollm2", sets=["revffn.coupling=buffered"])  # nothing to calibrate: the base
-    assert not buffered.converts_once("revffn")
-    assert study._job(buffered, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)["model"] is None
 
 
 def test_set_and_lr_grid_reach_the_runs(tmp_path):
@@ -220,7 +222,8 @@ def test_set_and_lr_grid_reach_the_runs(tmp_path):
     one-line errors naming the flag."""
     plan = plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=true", "lora.r=4"],  # the committed pages'
                     lr_grids=["revffn=1e-5,3e-5"])
-    assert plan.options("revffn") == {"adapter_warmup_steps": 0, "freeze_router": True, "train_adapters": True}
+    assert plan.options("revffn") == {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True,
+                                      "train_adapters": True}
     assert plan.lr_grid["revffn"] == (1e-5, 3e-5) and plan.lr_grid["full"] == (1e-5, 3e-5)
     job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
     assert job["options"]["train_adapters"] is True and plan.options("lora")["r"] == 4
@@ -246,28 +249,33 @@ def test_the_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, manifest + "\n", "")
 
     monkeypatch.setattr(study.subprocess, "run", fake_run)
-    plan = plan_for(False, "builtin:smollm2")
+    additive = ["revffn.coupling=additive"]  # the buffered coupling (the default) converts nothing
+    plan = plan_for(False, "builtin:smollm2", sets=additive)
     first = study.convert_once(plan, tmp_path, log=lambda *_: None)
     again = study.convert_once(plan, tmp_path, log=lambda *_: None)
     assert len(calls) == 1 and calls[0][-9:] == ["--calibration-data", "builtin:pydoc_calibration",
                                                  "--calibration-tokens", "16384", "--eval-data", "builtin:pydoc_text",
                                                  "--device", "auto", "--json"]
-    assert calls[0][2:6] == ["revffn", "convert", "builtin:smollm2", "--out"]
+    assert calls[0][2:6] == ["revffn", "convert", "builtin:smollm2", "--out"] and "additive" in calls[0]
     assert first["manifest"]["converted_from"] == "builtin:smollm2" and again["reused"]
     assert study.convert_once(replace(plan, methods=("full", "lora")), tmp_path / "none") is None
     # a conversion left by a study of another base (or a --quick one): refused, not silently reused
-    for other in (plan_for(False, "builtin:smollm2-moe"), plan_for(True, "builtin:smollm2"),
-                  plan_for(False, "builtin:smollm2", heal_steps=400)):  # nor an unhealed one for a healed study
+    for other in (plan_for(False, "builtin:smollm2-moe", sets=additive),
+                  plan_for(True, "builtin:smollm2", sets=additive),
+                  plan_for(False, "builtin:smollm2", heal_steps=400, sets=additive)):  # nor unhealed for a healed one
         with pytest.raises(UserError, match="holds a conversion this study did not ask for.*Fix: delete"):
             study.convert_once(other, tmp_path, log=lambda *_: None)
     assert len(calls) == 1
     # `--heal-steps N` (a GPU budget): the one conversion also heals N steps on the calibration text at lr 1e-4
-    healed = study.convert_once(plan_for(False, "builtin:smollm2", heal_steps=400), tmp_path / "h", log=print)
+    healed = study.convert_once(plan_for(False, "builtin:smollm2", heal_steps=400, sets=additive), tmp_path / "h",
+                                log=print)
     assert calls[1][calls[1].index("--heal-steps"):][:6] == ["--heal-steps", "400", "--heal-data",
                                                              "builtin:pydoc_calibration", "--heal-lr", "1e-4"]
     assert healed["manifest"]["convert"]["heal_steps"] == 400
     with pytest.raises(UserError, match="^--heal-steps: only a real base"):
         plan_for(False, None, heal_steps=10)
+    with pytest.raises(UserError, match="^--heal-steps 10: no method of this study.*Fix: "):
+        plan_for(False, "builtin:smollm2", heal_steps=10)  # the buffered coupling: nothing to heal
 
 
 def test_probes_render_and_enter_the_goal_check(tmp_path):
@@ -284,7 +292,7 @@ def test_probes_render_and_enter_the_goal_check(tmp_path):
     md = study_markdown(data)
     assert "Base: `builtin:smollm2`, retention loss 3.0000 on `builtin:pydoc_text`" in md
     assert "100.0 % of `builtin:smollm2_probes` answered" in md and "| probes % |" in md
-    assert "| commas | revffn | 0.0001 (0.0001, 0.0003) | 50.0 |" in md and "| 10.0 |" in md
+    assert "| commas | revffn | 0.0001 (1e-05, 3e-05) | 50.0 |" in md and "| 10.0 |" in md
     assert "probes kept ≥ full's: 10.0 vs 95.0 % ✗" in "\n".join(goal_check(data))
     assert "RevFFN starts from one conversion made for the study: `revffn convert ...` (12 s)" in md
 

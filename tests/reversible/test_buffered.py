@@ -113,3 +113,14 @@ def test_the_backward_recomputes_a_layer_by_chunks_of_whole_sequences():
     assert grads[0].keys() == grads[64].keys() and any("gate" in n for n in grads[0])  # routers trained: the aux
     for n, g in grads[0].items():
         assert torch.allclose(grads[64][n], g, rtol=1e-5, atol=1e-8), n
+
+
+def test_a_layer_beyond_the_fixed_point_range_gives_a_nan_loss_not_garbage():
+    """Past |x| = 2^30 (or NaN) the int64 streams would wrap: the stack's output is NaN, so the loss is, and the
+    training loop stops as on any diverged run (tests/training/test_resume.py's NaN run)."""
+    model, (ids, mask, labels) = _model(layers=2)
+    g = model.blocks[0].G
+    model.blocks[0].G = lambda x, sctx: g(x, sctx) * 2.0**40
+    out = model(ids, attention_mask=mask, labels=labels, return_logits=False)
+    assert torch.isnan(out.loss)
+    out.loss.backward()  # NaN gradients reach the embeddings; the loop's own check refuses the step

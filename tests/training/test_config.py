@@ -40,7 +40,7 @@ def test_method_options_are_records_of_their_own_schema():
 
 
 def test_a_method_instance_holds_the_typed_options():
-    cfg = load_config(None, ["revffn.adapter_warmup_ratio=0.5", "max_steps=10"])
+    cfg = load_config(None, ["revffn.coupling=additive", "revffn.adapter_warmup_ratio=0.5", "max_steps=10"])
     method = METHODS["revffn"](cfg)
     assert method.opts.adapter_warmup_steps == 5  # derived once, on a copy
     assert cfg.options("revffn").adapter_warmup_steps != 5 or cfg.options("revffn").adapter_warmup_ratio is None

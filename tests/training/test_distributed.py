@@ -31,6 +31,7 @@ TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size
         "data=builtin:reversal_train", "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0",
         "max_seq_length=32", "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0",
         "adam_epsilon=1e-6"]  # AdamW's eps 1e-8 would amplify rounding in near-zero gradients to ~1e-5
+ADDITIVE = ["method=revffn", "revffn.coupling=additive", "revffn.adapter_warmup_steps=2"]  # stage 1: 2 steps
 METHODS = {  # name: (options, the reference's per_device_train_batch_size, gradient_accumulation_steps)
     # the router's load-balancing loss is a function of each rank's batch (as of each micro-batch):
     # equal to one process on the global batch without it ...
@@ -38,25 +39,28 @@ METHODS = {  # name: (options, the reference's per_device_train_batch_size, grad
     # ... and with it, to one process accumulating the ranks' halves as micro-batches
     "full-aux": (["method=full"], 2, 2),
     "lora": (["method=lora"], 4, 1),
-    # the stage boundary (adapters only -> joint) at step 2, inside the run: DDP is re-wrapped there
-    "revffn": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+    # the buffered coupling (the default): fixed-point streams, the whole layer recomputed in backward, a
+    # parameter's gradient accumulated once per chunk of sequences (16 tokens: every sequence its own chunk)
+    "revffn-buffered": (["method=revffn", "revffn.coupling=buffered", "revffn.recompute_chunk_tokens=16"], 4, 1),
+    # the additive coupling: the stage boundary (adapters only -> joint) at step 2, inside the run: DDP is re-wrapped
+    "revffn": ([*ADDITIVE, "revffn.heal_data=task",
                 "revffn.adapter_init=coordinate"], 4, 1),
     # the calibrated init, once per job: each rank fits its share of the rows, the fits' sums all-reduced
-    "revffn-calibrated": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+    "revffn-calibrated": ([*ADDITIVE, "revffn.heal_data=task",
                            "revffn.adapter_init=calibrated", "revffn.calibration_tokens=1024"], 4, 1),
     # the backward's chunked recompute (G by 16-token chunks, F by whole sequences): a parameter's gradient
     # accumulates once per chunk, and is reduced (ddp) or reduce-scattered (fsdp) once, when complete
-    "revffn-chunked": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+    "revffn-chunked": ([*ADDITIVE, "revffn.heal_data=task",
                         "revffn.adapter_init=coordinate", "revffn.recompute_chunk_tokens=16"], 4, 1),
     # the heal (KL on text sampled from the model): every rank draws the global rows, trains on its share
-    "revffn-heal": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=self",
+    "revffn-heal": ([*ADDITIVE, "revffn.heal_data=self",
                      "revffn.adapter_init=coordinate"], 4, 1),
     # stage 2's distillation from the frozen copy, which FSDP shards like the student
-    "revffn-distill": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+    "revffn-distill": ([*ADDITIVE, "revffn.heal_data=task",
                         "revffn.adapter_init=coordinate", "revffn.distill_coef=0.5"], 4, 1),
     # stage 2's distillation from the cached teacher: each rank caches its share of the examples (a collective
     # forward under FSDP) and reads any of them back
-    "revffn-distill-cached": (["method=revffn", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
+    "revffn-distill-cached": ([*ADDITIVE, "revffn.heal_data=task",
                                "revffn.adapter_init=coordinate", "revffn.distill_coef=0.5",
                                "revffn.distill_teacher=cached"], 4, 1),
 }
@@ -121,7 +125,8 @@ def test_data_parallel_equals_one_process(tmp_path, method):
         _assert_same_run(tmp_path / "one", out, f"{method} {strategy}")
         if method.startswith("revffn"):
             stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-            assert stages == ["heal" if method == "revffn-heal" else "warmup"] * 2 + ["joint"] * 2
+            first = "joint" if method == "revffn-buffered" else "heal" if method == "revffn-heal" else "warmup"
+            assert stages == [first] * 2 + ["joint"] * 2
         if method == "revffn-distill-cached":  # the 2-rank cache: one file per rank, every example once
             manifest = json.loads((out / "teacher_cache" / "manifest.json").read_text())
             assert manifest["world"] == 2 and manifest == {**json.loads(

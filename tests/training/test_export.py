@@ -20,7 +20,10 @@ from revffn.training.evaluate import retention_loss
 from revffn.training.export import PROBE_LRS, ConvertSpec, heal_config, heal_converted, probe_heal_lr
 from revffn.training.step import build_run
 
-TRAIN = ["method=revffn", "max_steps=2", "revffn.adapter_warmup_steps=1", "data=builtin:commas_train",
+# the additive coupling's conversion and heal (calibration, stage 1) are what this file tests
+CONVERT = ["convert", "--coupling", "additive"]
+TRAIN = ["method=revffn", "revffn.coupling=additive", "max_steps=2", "revffn.adapter_warmup_steps=1",
+         "data=builtin:commas_train",
          "eval_data=null", "eval_generate_limit=0", "per_device_train_batch_size=2", "max_seq_length=32",
          "save_steps=0", "logging_steps=1"]
 
@@ -33,7 +36,7 @@ def _one_thread():
 
 def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "2",
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "2",
                  "--eval-data", "builtin:commas_val", "--device", "auto"]) == 0
     manifest = json.loads((out / "revffn.json").read_text())
     assert manifest["format"] == "revffn" and is_converted(str(out))
@@ -66,11 +69,11 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
 
 def test_a_converted_model_refuses_other_methods_and_a_second_conversion(tmp_path, capsys):
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
     capsys.readouterr()
     assert main(["train", f"model={out}", f"output_dir={tmp_path / 'run'}", *TRAIN[1:], "method=full"]) == 2
     assert "already converted to RevFFN" in capsys.readouterr().err and not (tmp_path / "run").exists()
-    assert main(["convert", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert main([*CONVERT, str(out), "--out", str(tmp_path / "again")]) == 2
     assert "already converted" in capsys.readouterr().err
 
 
@@ -78,7 +81,7 @@ def test_a_model_converted_without_skips_trains_only_as_it_is(tmp_path, capsys):
     """`--no-adapter-skip` writes the paper's four adapters; training it with the default revffn.adapter_skip
     (true) exits 2 naming the key, before anything is written; with the key false it trains."""
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256",
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256",
                  "--no-adapter-skip"]) == 0
     assert all(b.p_skip_attn is None for b in load(str(out)).blocks)
     capsys.readouterr()
@@ -95,13 +98,13 @@ def test_bad_calibration_data_exits_2_and_writes_nothing(tmp_path, capsys):
     empty.write_text("")
     short.write_text('{"text": "a short text"}\n')
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(empty)]) == 2
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(empty)]) == 2
     assert "--calibration-data" in capsys.readouterr().err
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(short),
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-data", str(short),
                  "--calibration-tokens", "4096"]) == 2
     err = capsys.readouterr().err
     assert "--calibration-data" in err and "--calibration-tokens=4096" in err and "Fix:" in err
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-data",
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-data",
                  str(empty)]) == 2
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
     run = tmp_path / "run"
@@ -123,7 +126,7 @@ def test_task_data_as_calibration_text_warns(tmp_path, capsys):
 def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
     out = tmp_path / "rev"
     with pytest.raises(SystemExit) as e:  # refused by the flag's type, before anything runs
-        main(["convert", "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"])
+        main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--heal-steps", "2", "--heal-hidden-coef", "-1"])
     assert e.value.code == 2
     assert "--heal-hidden-coef: must be a number >= 0" in capsys.readouterr().err and not out.exists()
 
@@ -131,14 +134,14 @@ def test_negative_heal_hidden_coef_exits_2(tmp_path, capsys):
 def test_heal_eval_steps_without_a_heal_or_an_eval_set_exits_2(tmp_path, capsys):
     for model, extra in (("tiny-qwen2-moe", []), ("tiny-qwen2-moe", ["--heal-steps", "2"]),  # no eval set
                          ("builtin:base", [])):  # an eval set (builtin:base's own) but no heal
-        assert main(["convert", model, "--out", str(tmp_path / "rev"), "--heal-eval-steps", "5", *extra]) == 2
+        assert main([*CONVERT, model, "--out", str(tmp_path / "rev"), "--heal-eval-steps", "5", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "--heal-eval-steps 5" in err and "Fix:" in err and not list(tmp_path.iterdir())
 
 
 def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--stream-width", "third"]) == 2
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--stream-width", "third"]) == 2
     assert "--stream-width" in capsys.readouterr().err and not out.exists()
 
 
@@ -146,14 +149,14 @@ def test_unknown_stream_width_exits_2_naming_the_flag(tmp_path, capsys):
     torch.cuda.is_available(), reason="a CUDA device is here: --device cuda is valid"))])
 def test_a_device_that_is_not_here_exits_2_naming_the_flag(tmp_path, capsys, device):
     out = tmp_path / "rev"
-    assert main(["convert", "tiny-qwen2-moe", "--out", str(out), "--device", device]) == 2
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--device", device]) == 2
     err = capsys.readouterr().err
     assert "--device" in err and "Fix:" in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_a_heal_that_diverges_exits_2_naming_the_lr_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "rev"
-    assert main(["convert", "builtin:base", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "10",
+    assert main([*CONVERT, "builtin:base", "--out", str(out), "--calibration-tokens", "512", "--heal-steps", "10",
                  "--heal-lr", "0.1", "--heal-batch-size", "2", "--heal-data", "builtin:stdlib_text",
                  "--eval-data", "builtin:commas_val"]) == 2  # KL 1.5x up
     err = capsys.readouterr().err.strip().splitlines()[-1]

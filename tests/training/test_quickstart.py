@@ -17,10 +17,10 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     out = tmp_path / "qs"
     # the shipped recipe (the method's defaults) with its budget cut
     proc = _run("train", f"output_dir={out}", "max_steps=30", "save_steps=10", "eval_steps=10", "logging_steps=5",
-                "revffn.adapter_warmup_steps=5", "per_device_train_batch_size=8", "revffn.calibration_tokens=2048")
+                "per_device_train_batch_size=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warning" not in proc.stderr.lower(), proc.stderr[-2000:]  # the first run prints no warning
-    assert "calibrat" in proc.stderr  # the defaults ran: calibrated adapters, then the heal
+    assert "coupling buffered" in proc.stderr  # the defaults ran: the buffered coupling, nothing calibrated
     for name in ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "memory.png", "final/model.safetensors",
                  "final/revffn.json", "final/tokenizer.json", "checkpoints/step-20", "checkpoints/step-10"):
         assert (out / name).exists(), name
@@ -28,12 +28,12 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     assert {"step", "stage", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"} <= set(rows[0])
     assert any("eval_loss" in r for r in rows)
     joint = [r["loss"] for r in rows if r["stage"] == "joint"]
-    assert rows[0]["stage"] == "heal" and rows[-1]["stage"] == "joint"  # the method's defaults: a heal on self first
+    assert rows[0]["stage"] == rows[-1]["stage"] == "joint"  # the method's defaults: no adapters, no heal
     assert joint[-1] < joint[0] - 0.5
     gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: rope ink tea",
                "--max-new-tokens", "8")
     assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt
-    again = _run("train", f"output_dir={out}", "max_steps=30", "revffn.adapter_warmup_steps=5")
+    again = _run("train", f"output_dir={out}", "max_steps=30")
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 

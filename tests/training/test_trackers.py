@@ -22,7 +22,8 @@ FAULT_RUN = Path(__file__).with_name("fault_run.py")
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
         "eval_steps=2", "eval_generate_limit=0", "max_steps=4", "logging_steps=1", "save_steps=0",
         "per_device_train_batch_size=2", "max_seq_length=32", "dtype=float32", "device=cpu",
-        "revffn.adapter_warmup_steps=1"]  # stage warmup at step 1, joint after: a text field that changes
+        "revffn.coupling=additive", "revffn.adapter_warmup_steps=1"]  # stage warmup at step 1, joint after: a text
+# field that changes
 FLOAT32 = 1e-6  # TensorBoard keeps scalars as float32
 
 

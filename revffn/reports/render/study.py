@@ -129,10 +129,12 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         return "n/a" if v is None else f"{v * scale:{fmt}}"
 
     for g in data["conversion_gap"]:
-        stage1 = f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
+        buffered = g.get("coupling", "additive") == "buffered"  # (pages from before the key: additive)
+        stage1 = "none" if buffered else f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
+        init = f"none (buffered, {g.get('buffer_bits', 6)} bits)" if buffered else g.get("adapter_init", "calibrated")
         distill = f"{g.get('distill_coef', 0):g}" + (f" ({g.get('distill_teacher', 'copy')})"
                                                     if g.get("distill_coef") else "")
-        lines.append(f"| {g['task']} | {g['variant']} | {g.get('adapter_init', 'calibrated')} | {stage1} | "
+        lines.append(f"| {g['task']} | {g['variant']} | {init} | {stage1} | "
                      f"{distill} | {g['base']:.4f} | {cell(g['converted_init'])} | "
                      f"{cell(g['after_stage1'])} | {g['after_schedule']:.4f} | "
                      + (f"{cell(g.get('converted_probes'), '.1f', 100)} | {cell(g.get('probes_after'), '.1f', 100)} | "
