@@ -54,7 +54,7 @@ from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.hf_remote import dtype_name, save_converted
-from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS
+from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS, deterministic_kernels
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -309,10 +309,8 @@ class RevFFNMethod(Method):
                 init_adapters(block, self.opts["adapter_init"])
             self._calibrate(model)
         self._pick_streams(model)
-        if self.opts["coupling"] == "buffered" and next(model.parameters()).device.type == "cuda":
-            # the backward recomputes every layer bitwise or raises (`reversible.buffered.RebuildError`): an MoE's
-            # index_add_ accumulates with atomics on CUDA unless deterministic algorithms are on
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        if self.opts["coupling"] == "buffered":  # the backward recomputes every layer bitwise or raises
+            deterministic_kernels(next(model.parameters()).device)
 
     def state_dict(self) -> dict:
         """The calibration report (a resumed run does not calibrate: its final/ keeps the first run's report) and
@@ -588,9 +586,10 @@ class RevFFNMethod(Method):
         """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each), every layer's
         dropped bits (buffer_bits / 8 bytes a coordinate a layer) and the routing records; backward one layer's
         working set, by chunks of whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T)
-        of the B) with its float64 tensors, and two float64 gradient streams, whole. Every parameter trains but the
-        frozen routers. Static and forward bytes: within 0.2 % of the bench (tests/memory). distill_coef > 0: a frozen
-        copy of the weights (the copy route; the cached one is not built for this coupling) and its final states."""
+        of the B) with its float64 tensors, and two gradient streams (float32; a float64 model's float64), whole.
+        Every parameter trains but the frozen routers. Static and forward bytes: within 0.2 % of the bench
+        (tests/memory). distill_coef > 0: a frozen copy of the weights (the copy route; the cached one is not built
+        for this coupling) and its final states."""
         m, N, counts = ctx.m, ctx.N, ctx.counts
         idx = compact_index_dtype(max(m.experts, 2)).itemsize
         records = sum(m.moe) * N * m.top_k * idx
@@ -598,10 +597,11 @@ class RevFFNMethod(Method):
         trainable = counts["total"] - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4
         chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
-        # beside the saved streams (rebuilt in place): two float64 gradient streams and a byte a coordinate of unpacked
-        # bits, whole; a span's float64 input, branch outputs, update and input gradient, by chunks
+        # beside the saved streams (rebuilt in place): two gradient streams and a byte a coordinate of unpacked bits,
+        # whole; a span's float64 input, branch outputs, update and input gradient, by chunks
         layer = max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers))
-        working = int((layer + 4 * N * m.d * 8) * chunk) + 2 * N * m.d * 8 + N * m.d
+        grads = max(4, ctx.s)  # bytes a coordinate of a gradient stream
+        working = int((layer + 4 * N * m.d * 8) * chunk) + 2 * N * m.d * grads + N * m.d
         notes = (f"revffn coupling buffered: two int64 d streams + {buffer_bits} bits a coordinate a layer "
                  f"({buffer / 2**20:.1f} MiB: grows with depth) + routing records ({records} bytes) kept; one layer's "
                  "working set in backward" + (f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"

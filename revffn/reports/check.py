@@ -26,6 +26,7 @@ import torch
 
 from revffn.conversion.convert import AUTO, convert, describe_streams, pick_stream_dtype
 from revffn.memory.measure import saved_bytes_of_stack
+from revffn.reversible.buffered import deterministic_kernels
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
 # fp32 streams of a real model: activations in the hundreds (SmolLM2's massive activations) round by more
@@ -112,6 +113,8 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
+    if coupling == "buffered":
+        deterministic_kernels(dev)  # before the first matmul
     overrides = config_overrides(model, layers, hidden, shipped_vocab=False)
     hf32 = build_hf(model, torch.float32, seed, dev, **overrides).to(dev)
     hf32.train()

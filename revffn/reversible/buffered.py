@@ -25,6 +25,7 @@ the twin computes the reversible forward's values bitwise and its gradients are 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,16 @@ BUFFER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 # SmolLM2-135M-Instruct, no training: +0.028 nats and 67 of the base's 76 probe answers at 4 bits, 71 at 6 (the
 # issue's bound: 90 %, 69); 6 bits a coordinate a layer are 3/8 of bf16 checkpoints (docs/conversion.md)
 DEFAULT_BUFFER_BITS = 6
+
+
+def deterministic_kernels(device: torch.device) -> None:
+    """What the bitwise recompute needs of a CUDA device, process-wide: deterministic algorithms (an MoE's index_add_
+    accumulates with atomics otherwise; warn_only, so an op without a deterministic kernel warns rather than stops)
+    and cuBLAS's deterministic workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` unless set; read when cuBLAS first
+    runs, so call this before the first matmul). Elsewhere nothing to do: CPU kernels recompute bitwise."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class RebuildError(RuntimeError):
@@ -237,8 +248,9 @@ class BufferedStackFunction(torch.autograd.Function):
         saved = iter(rest[ctx.n_ctx :])
         per_block = [[[SubBlockRecord.from_layout(x, saved) for x in pair] for pair in spans] for spans in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable and d_aux is not None
-        g_b = d_out.to(torch.float64, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=torch.float64,
-                                                                                      device=a.device)
+        # the gradient streams in float32 (float64 for a float64 model), as an ordinary backward accumulates them
+        gdt = torch.float64 if ctx.h_dtype == torch.float64 else torch.float32
+        g_b = d_out.to(gdt, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=gdt, device=a.device)
         g_a = torch.zeros_like(g_b)
         for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
             # the saved streams are this backward's own buffers: each layer's input is rebuilt into them

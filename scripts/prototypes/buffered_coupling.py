@@ -21,10 +21,7 @@ import json
 import os
 
 import torch
-
-from revffn.data.formats import load_examples
-from revffn.data.tokenizer import model_tokenizer
-from revffn.models.loading import load_hf
+from scaled_coupling import held_out_layers  # the same held-out rows and layer calls
 
 FRAC = 32  # fraction bits: resolution 2.3e-10, range +-2^31
 
@@ -42,35 +39,12 @@ def main() -> None:
     limit = int(os.environ.get("LIMIT", "32"))
     name = os.environ.get("MODEL", "builtin:smollm2")
     ks = [int(k) for k in os.environ.get("KS", "3,4,5,6").split(",")]
-    tok = model_tokenizer(name)
-    hf = load_hf(name).eval()
-    texts = [r["text"] for r in load_examples("builtin:pydoc_text", "text")[:limit]]
-    enc = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=256)
-    ids, keep = enc["input_ids"], enc["attention_mask"].bool()
-    m = hf.model
-    from transformers.masking_utils import create_causal_mask
-
     with torch.no_grad():
-        h0 = m.embed_tokens(ids)
-        pos = torch.arange(ids.shape[1])[None]
-        pe = m.rotary_emb(h0, pos)
-        mask = create_causal_mask(config=m.config, inputs_embeds=h0, attention_mask=enc["attention_mask"],
-                                  past_key_values=None, position_ids=pos)
-
-        def layer(i, x):
-            out = m.layers[i](x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-            return out[0] if isinstance(out, tuple) else out
-
-        def loss(h):
-            logp = torch.log_softmax(hf.lm_head(m.norm(h))[:, :-1].float(), -1)
-            nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
-            return float(nll[keep[:, 1:]].mean())
-
+        h0, layer, loss, n, ids = held_out_layers(name, limit)
         b = h0
-        for i in range(len(m.layers)):
+        for i in range(n):
             b = layer(i, b)
         print(json.dumps({"model": name, "base_loss": round(loss(b), 4)}), flush=True)
-        n = len(m.layers)
         for k in ks:
             a, b = torch.zeros_like(h0, dtype=torch.int64), q(h0)
             lost, inputs = [], []

@@ -3,6 +3,8 @@ from the top with k bits a coordinate a layer, its gradients the plain twin's, a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from revffn.conversion.convert import convert
 from revffn.conversion.teacher import teacher_context, teacher_layer
 from revffn.models.loading import build_hf, config_overrides
 from revffn.reports.check import make_batch, run_check
-from revffn.reversible.buffered import RebuildError, pack_low_bits, unpack_low_bits
+from revffn.reversible.buffered import RebuildError, deterministic_kernels, pack_low_bits, unpack_low_bits
 from tests.conftest import GENERIC, REQUIRED
 
 
@@ -124,3 +126,22 @@ def test_a_layer_beyond_the_fixed_point_range_gives_a_nan_loss_not_garbage():
     out = model(ids, attention_mask=mask, labels=labels, return_logits=False)
     assert torch.isnan(out.loss)
     out.loss.backward()  # NaN gradients reach the embeddings; the loop's own check refuses the step
+
+
+def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
+    """The bitwise recompute on CUDA needs deterministic algorithms (an MoE's index_add_ uses atomics otherwise) and
+    cuBLAS's deterministic workspace; a user's own CUBLAS_WORKSPACE_CONFIG is kept; the CPU changes nothing."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        torch.use_deterministic_algorithms(False)
+        deterministic_kernels(torch.device("cpu"))
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        deterministic_kernels(torch.device("cuda"))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        deterministic_kernels(torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
