@@ -27,10 +27,14 @@ def test_render_gives_one_line_per_row_and_deltas_against_the_base():
     assert lines[4].startswith("| calibrated + heal (self; heal self x4) | | | exit 2 |")
 
 
-def test_the_committed_table_is_the_rendering_of_the_committed_json():
+@pytest.mark.parametrize("marker, data", [("conversion-gap", "conversion.json"),
+                                          ("conversion-gap:smollm2", "conversion_smollm2.json"),
+                                          ("conversion-gap:smollm2-moe", "conversion_smollm2_moe.json")])
+def test_the_committed_table_is_the_rendering_of_the_committed_json(marker, data):
+    """builtin:base's table and each real model's: the page holds exactly what the committed JSON renders to."""
     page = (ROOT / "docs" / "conversion.md").read_text()
-    table = page.split("<!-- conversion-gap:start -->\n", 1)[1].split("<!-- conversion-gap:end -->", 1)[0]
-    assert table == conversion_gap.render(json.loads((ROOT / "docs" / "conversion.json").read_text()))
+    table = page.split(f"<!-- {marker}:start -->\n", 1)[1].split(f"<!-- {marker}:end -->", 1)[0]
+    assert table == conversion_gap.render(json.loads((ROOT / "docs" / data).read_text()))
 
 
 @pytest.mark.integration  # runs the script in a subprocess (`--render`)
