@@ -583,36 +583,33 @@ class RevFFNMethod(Method):
     @classmethod
     def _buffered_terms(cls, ctx: MemoryContext, freeze_router: bool, buffer_bits: int,
                         recompute_chunk_tokens: int, distill_coef: float = 0.0) -> MemoryTerms:
-        """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each), every layer's
-        dropped bits (buffer_bits / 8 bytes a coordinate a layer) and the routing records; backward one layer's
-        working set, by chunks of whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T)
-        of the B) with its float64 tensors, and two gradient streams (float32; a float64 model's float64), whole.
+        """The buffered coupling: forward keeps the top two int64 streams (8 bytes a coordinate each) and every
+        layer's dropped bits (buffer_bits / 8 bytes a coordinate a layer), no routing records (the rebuild is
+        bitwise, so the recompute makes the forward's choices itself); backward one layer's working set, by chunks of
+        whole sequences (`reversible.buffered._spans`: max(1, recompute_chunk_tokens // T) of the B) with its float32
+        tensors (a float64 model's float64), and two gradient streams of that dtype, whole.
         Every parameter trains but the frozen routers. Static and forward bytes: within 0.2 % of the bench
         (tests/memory). distill_coef > 0: a frozen copy of the weights (the copy route; the cached one is not built
         for this coupling) and its final states."""
         m, N, counts = ctx.m, ctx.N, ctx.counts
-        idx = compact_index_dtype(max(m.experts, 2)).itemsize
-        records = sum(m.moe) * N * m.top_k * idx
         buffer = m.layers * -(-N * m.d * buffer_bits // 8)
         trainable = counts["total"] - (counts["router"] if freeze_router else 0)
         aux = 0 if freeze_router else N * m.experts * 4
         chunk = min(max(1, recompute_chunk_tokens // ctx.T), ctx.B) / ctx.B if recompute_chunk_tokens else 1.0
         # beside the saved streams (rebuilt in place): two gradient streams and a byte a coordinate of unpacked bits,
-        # whole; a span's float64 input, branch outputs, update and input gradient, by chunks
+        # whole; a span's input as the layer reads it, branch outputs, update and input gradient, by chunks
         layer = max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers))
-        grads = max(4, ctx.s)  # bytes a coordinate of a gradient stream
-        working = int((layer + 4 * N * m.d * 8) * chunk) + 2 * N * m.d * grads + N * m.d
+        c = 8 if ctx.s == 8 else 4  # bytes a coordinate of the compute dtype (`reversible.buffered.compute_dtype`)
+        working = int((layer + 4 * N * m.d * c) * chunk) + 2 * N * m.d * c + N * m.d
+        chunks = f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences" if chunk < 1 else ""
         notes = (f"revffn coupling buffered: two int64 d streams + {buffer_bits} bits a coordinate a layer "
-                 f"({buffer / 2**20:.1f} MiB: grows with depth) + routing records ({records} bytes) kept; one layer's "
-                 "working set in backward" + (f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
-                                              if chunk < 1 else ""),
+                 f"({buffer / 2**20:.1f} MiB: grows with depth) kept; one layer's working set in backward{chunks}",
                  f"revffn: no adapters; {'router frozen' if freeze_router else 'router trainable'}; no calibration")
         teacher = counts["total"] if distill_coef > 0 else 0
         if teacher:
             notes += (f"revffn distill_coef={distill_coef:g}: a frozen teacher copy of the weights, {teacher} params "
                       f"({teacher * ctx.s / 2**30:.2f} GiB, counted under weights), and its (B, T, d) final states",)
-        act_fwd = (ctx.outside + ctx.mask_bytes + 2 * N * m.d * 8 + buffer + records
-                   + (N * m.d * ctx.s if teacher else 0))
+        act_fwd = ctx.outside + ctx.mask_bytes + 2 * N * m.d * 8 + buffer + (N * m.d * ctx.s if teacher else 0)
         return MemoryTerms(trainable=trainable, activations_forward=act_fwd, extra_params=teacher,
-                           recompute_working_set=working, routing_records=records, notes=notes,
+                           recompute_working_set=working, notes=notes,
                            loads_whole=bool(teacher))

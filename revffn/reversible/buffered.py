@@ -13,24 +13,33 @@ which in floating point multiplies every layer's rounding by 1/lam (stop 45's sc
 layers). As in MacKay et al. (2018), "Reversible recurrent neural networks", the streams are kept in fixed point
 (int64, `FRAC` fraction bits), lam = 2^-k is an arithmetic shift, and the k low bits the shift drops are kept in a
 buffer: k bits per coordinate per layer. Then the forward and the inverse are integer arithmetic and the rebuild is
-bitwise, at any depth, provided D(b) is recomputed bitwise (the records of `reversible.replay` replay its choices and
-RNG; a device whose kernels are not deterministic is caught at the bottom of the stack: `RebuildError`).
+bitwise, at any depth, provided D(b) is recomputed bitwise: from the bitwise input, with the forward's RNG state
+(`reversible.replay.RNGState`) and deterministic kernels. The recompute then makes the forward's discrete choices
+(router top-k) by itself, so unlike the additive coupling this one records none (`reversible.replay`'s choice records
+exist for an input rebuilt only to rounding); a device whose kernels are not deterministic is caught at the bottom of
+the stack: `RebuildError`.
+
+The layers read the streams in float32 (`stream_values`; a float64 model's in float64) and their update is put
+back on the grid from float32 (`to_fixed`: exact scaling, one rounding), so the fixed-point bookkeeping costs a few
+passes over int64 and uint8 tensors a layer, in place where it can.
 
 Memory: two int64 streams (16 bytes per coordinate, as float64 streams) plus k/8 bytes per coordinate per layer, not
 flat in depth: at k = 4 a quarter of bf16 checkpoints of every layer input. The plain twin (`run_buffered_stack`,
-reversible=False: eval, generation with a KV cache, parity tests) runs the same recurrence in float64, each stream
-snapped to the fixed-point grid (`snap`, with an identity gradient): below 2^21 float64 holds that grid exactly, so
-the twin computes the reversible forward's values bitwise and its gradients are the reference for them.
+reversible=False: eval, generation with a KV cache, parity tests) runs the same recurrence on float64 streams, each
+snapped to the fixed-point grid (`snap`, with an identity gradient), its layers reading them cast to float32: below
+2^21 float64 holds that grid exactly, so the twin computes the reversible forward's values bitwise and its gradients
+are the reference for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
 import torch
 
-from revffn.reversible.coupling import StackContext, _replaying, _watched
+from revffn.reversible.coupling import StackContext, _watched
 from revffn.reversible.replay import SubBlockRecord
 
 FRAC = 32  # fraction bits of the fixed-point streams: resolution 2^-32 (2.3e-10), range +-2^31
@@ -56,12 +65,30 @@ class RebuildError(RuntimeError):
 
 
 def to_fixed(x: torch.Tensor) -> torch.Tensor:
-    return torch.round(x.to(torch.float64) * 2.0 ** FRAC).to(torch.int64)
+    """x on the fixed-point grid (round to nearest): computed in x's own dtype when that is float32, bfloat16 or
+    float64, whose scaling by 2^FRAC is exact below `LIMIT` and whose rounding to an integer is exact, so the result
+    is the float64 computation's bitwise at a third of its traffic; float16 (max 65504) goes through float32."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        x = x.float()
+    return torch.round(x * 2.0 ** FRAC).to(torch.int64)
 
 
 def from_fixed(x: torch.Tensor) -> torch.Tensor:
     """float64 (exact up to 2^21; beyond, rounded alike in forward and backward)."""
     return x.to(torch.float64) * 2.0 ** -FRAC
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer reads the streams in: float64 for a float64 model, float32 otherwise (the branches cast
+    to their weights' dtype themselves, as an HF layer's float32 residual stream is)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def stream_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fixed-point stream x as the layer reads it, in `compute_dtype` `dtype`: one rounding of the exact value
+    (the int64 -> float cast rounds once, the scaling by 2^-FRAC is exact), which is the float64 twin's value cast
+    to `dtype` wherever float64 holds the grid exactly (below 2^21)."""
+    return x.to(dtype) * 2.0 ** -FRAC
 
 
 def snap(x: torch.Tensor, floor: bool = False) -> torch.Tensor:
@@ -72,26 +99,32 @@ def snap(x: torch.Tensor, floor: bool = False) -> torch.Tensor:
     return x + (grid - x).detach()
 
 
+_PLANES = 8  # a packed byte holds one bit of 8 coordinates, one from each eighth of the flattened tensor
+
+
 def pack_low_bits(a: torch.Tensor, bits: int) -> torch.Tensor:
-    """The `bits` low bits of every element of int64 `a`, packed 8 to a byte per bit plane: bits * numel / 8 bytes
-    (rounded up to a byte per plane)."""
-    low = (a & ((1 << bits) - 1)).reshape(-1).to(torch.uint8)
-    pad = (-low.numel()) % 8
+    """The `bits` low bits of every element of int64 `a`, as `bits` planes of ceil(numel / 8) bytes: byte i of plane
+    j holds bit j of the elements i, i + n/8, ..., i + 7n/8 (n rounded up to a multiple of 8), so packing is a few
+    passes over contiguous eighths rather than a reduction over groups of 8."""
+    low = a.reshape(-1).to(torch.uint8) & ((1 << bits) - 1)  # the cast to uint8 keeps the low 8 bits (mod 2^8)
+    pad = (-low.numel()) % _PLANES
     if pad:
         low = torch.cat([low, low.new_zeros(pad)])
-    weights = (1 << torch.arange(8, device=a.device, dtype=torch.uint8))
-    planes = [(((low >> j) & 1).view(-1, 8) * weights).sum(-1, dtype=torch.uint8) for j in range(bits)]
-    return torch.stack(planes)
+    eighths = low.view(_PLANES, -1)
+    shifts = torch.arange(bits, device=a.device, dtype=torch.uint8)[:, None]
+    packed = (eighths[0] >> shifts) & 1  # (bits, n / 8): plane j, bit j of the first eighth
+    for i in range(1, _PLANES):
+        packed |= ((eighths[i] >> shifts) & 1) << i
+    return packed
 
 
 def unpack_low_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The low bits `pack_low_bits` kept, as a uint8 tensor of `shape` (one byte a coordinate, not eight)."""
-    n = shape.numel()
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    out = torch.zeros(packed.shape[1] * 8, dtype=torch.uint8, device=packed.device)
-    for j, plane in enumerate(packed):
-        out |= ((plane[:, None] >> shifts) & 1).reshape(-1) << j
-    return out[:n].view(shape)
+    shifts = torch.arange(len(packed), device=packed.device, dtype=torch.uint8)[:, None]
+    out = torch.empty(_PLANES, packed.shape[1], dtype=torch.uint8, device=packed.device)
+    for i in range(_PLANES):
+        torch.sum(((packed >> i) & 1) << shifts, dim=0, dtype=torch.uint8, out=out[i])  # disjoint bits: sum = or
+    return out.view(-1)[: shape.numel()].view(shape)
 
 
 def _spans(block, x: torch.Tensor, sctx: StackContext) -> list[tuple[slice | None, StackContext]]:
@@ -127,7 +160,7 @@ def _piece(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
 
 def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | None = None) -> torch.Tensor:
     """D(x) = F(x) + G(x + F(x)): the decoder layer's update, its branches as the block runs them, by `_spans`. With
-    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the choices and RNG each made). Adds the
+    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the RNG state each drew from; no choices). Adds the
     router's logits to the load-balancing sum."""
     spans = _spans(block, x, sctx)
     d = x if len(spans) == 1 else torch.empty_like(x)
@@ -135,8 +168,8 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
     for rows, cctx in spans:
         recs = [] if records is not None else None
         xr = _piece(x, rows)
-        f = _watched(block.F, xr, cctx, recs, (block.layer_idx, "F"))
-        g = _watched(block.G, xr + f, cctx, recs, (block.layer_idx, "G"))
+        f = _watched(block.F, xr, cctx, recs, (block.layer_idx, "F"), choices=False)
+        g = _watched(block.G, xr + f, cctx, recs, (block.layer_idx, "G"), choices=False)
         if block.router_tap is not None:
             logits.append(block.router_tap.take())
         if rows is None:
@@ -151,9 +184,10 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
 
 
 def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, records: list, packed: torch.Tensor,
-                 bits: int, grads: tuple[torch.Tensor, torch.Tensor] | None = None, d_aux=None):
+                 bits: int, dtype: torch.dtype, grads: tuple[torch.Tensor, torch.Tensor] | None = None, d_aux=None):
     """In place, the layer's output (a, b) becomes its input: b = a + b, then its update D(b) recomputed span by
-    span under each span's records (`_spans`, as the forward ran it), a = ((-a - D(b)) << bits) + the dropped bits.
+    span under each span's records (`_spans`, as the forward ran it) on the stream read in `dtype` (`stream_values`),
+    a = ((-a - D(b)) << bits) + the dropped bits.
     With `grads` (g_a, g_b), the gradients w.r.t. the output, back-propagate through the layer (param grads
     accumulate into `.grad`, every span but the last partial, `PartialGradients`; the load-balancing surrogate's
     given `d_aux`) and return those w.r.t. its input, in the same two buffers:
@@ -169,10 +203,10 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
     for i, ((rows, cctx), recs) in enumerate(zip(spans, records)):
         at = slice(None) if rows is None else rows
         with torch.enable_grad() if grads is not None else torch.no_grad():
-            x = from_fixed(b[at]).requires_grad_(grads is not None)
-            with _replaying(recs[0], cctx):
+            x = stream_values(b[at], dtype).requires_grad_(grads is not None)
+            with _same_rng(recs[0], cctx):
                 f = block.F(x, cctx)
-            with _replaying(recs[1], cctx):
+            with _same_rng(recs[1], cctx):
                 g = block.G(x + f, cctx)
             logits = block.router_tap.take() if block.router_tap is not None else None
             d = f + g
@@ -185,7 +219,8 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
                 g_a[at] += g_b[at]
                 if grad is not None:
                     g_a[at] += grad
-        a[at] = ((-a[at] - to_fixed(d.detach())) << bits) + low[at].to(torch.int64)
+        rebuilt = a[at]  # a view: the four steps in place
+        rebuilt.neg_().sub_(to_fixed(d.detach())).bitwise_left_shift_(bits).add_(low[at])
     if len(spans) > 1:
         sctx.stats.setdefault("recompute_chunks", {})[block.layer_idx] = len(spans)
     if grads is not None:
@@ -194,14 +229,21 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
     return None
 
 
+def _same_rng(record: SubBlockRecord, sctx: StackContext):
+    """The sub-block's recompute draws the random numbers its forward drew (dropout, router jitter)."""
+    return record.rng.replay() if record.rng is not None and sctx.replay_rng else contextlib.nullcontext()
+
+
 def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    b_new = (a >> bits) + b + to_fixed(d)
-    return b - b_new, b_new
+    """The layer's output streams (a', b') from its input (a, b) and update d, in place: b' = (a >> bits) + b + d
+    into a's storage, then a' = b - b' into b's."""
+    b_new = a.bitwise_right_shift_(bits).add_(b).add_(to_fixed(d))
+    return b.sub_(b_new), b_new
 
 
 class BufferedStackFunction(torch.autograd.Function):
     """Autograd over the stack on fixed-point streams: saves the top (a, b), each layer's dropped bits and the
-    branches' compact records. The blocks' parameters are not inputs (their gradients accumulate from the nested
+    branches' RNG states where they drew. The blocks' parameters are not inputs (their gradients accumulate from the nested
     backward calls, as in `RevStackFunction`); `anchor` keeps the backward reachable when h does not require grad."""
 
     @staticmethod
@@ -210,10 +252,11 @@ class BufferedStackFunction(torch.autograd.Function):
         worst = torch.zeros((), dtype=torch.float64, device=h.device)
         with torch.no_grad():
             a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+            cdt = compute_dtype(h.dtype)
             for block in blocks:
                 lost.append(pack_low_bits(a, bits))
                 records.append([])
-                d = layer_update(block, from_fixed(b), sctx.for_layer(block.position_key), records[-1])
+                d = layer_update(block, stream_values(b, cdt), sctx.for_layer(block.position_key), records[-1])
                 worst = torch.maximum(worst, d.abs().amax())
                 a, b = _step(a, b, d, bits)
             worst = torch.maximum(worst, from_fixed(b).abs().amax())
@@ -249,12 +292,12 @@ class BufferedStackFunction(torch.autograd.Function):
         per_block = [[[SubBlockRecord.from_layout(x, saved) for x in pair] for pair in spans] for spans in ctx.layout]
         use_aux = sctx.aux is not None and sctx.aux.differentiable and d_aux is not None
         # the gradient streams in float32 (float64 for a float64 model), as an ordinary backward accumulates them
-        gdt = torch.float64 if ctx.h_dtype == torch.float64 else torch.float32
+        gdt = compute_dtype(ctx.h_dtype)
         g_b = d_out.to(gdt, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=gdt, device=a.device)
         g_a = torch.zeros_like(g_b)
         for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
             # the saved streams are this backward's own buffers: each layer's input is rebuilt into them
-            g_a, g_b = invert_layer(block, a, b, sctx.for_layer(block.position_key), records, packed, ctx.bits,
+            g_a, g_b = invert_layer(block, a, b, sctx.for_layer(block.position_key), records, packed, ctx.bits, gdt,
                                     (g_a, g_b), d_aux if use_aux else None)
             if sctx.probe is not None:
                 sctx.probe(block.layer_idx, from_fixed(a), from_fixed(b))
@@ -274,12 +317,13 @@ def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: 
     if reversible:
         anchor = torch.empty(0, device=h.device, requires_grad=torch.is_grad_enabled())
         return BufferedStackFunction.apply(h, blocks, sctx, bits, anchor)
-    lam = 2.0 ** -bits
+    lam, cdt = 2.0 ** -bits, compute_dtype(h.dtype)
     a, b = torch.zeros(h.shape, dtype=torch.float64, device=h.device), snap(h.to(torch.float64))
     for block in blocks:
         if sctx.probe is not None:
             sctx.probe(block.layer_idx, a, b)
-        b_new = snap(lam * a, floor=True) + b + snap(layer_update(block, b, sctx.for_layer(block.position_key)))
+        d = layer_update(block, b.to(cdt), sctx.for_layer(block.position_key))
+        b_new = snap(lam * a, floor=True) + b + snap(d.to(torch.float64))
         a, b = b - b_new, b_new
     aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
     return b.to(h.dtype), aux
@@ -291,16 +335,17 @@ def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: i
     inputs, records, lost = [], [], []
     with torch.no_grad():
         a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+        cdt = compute_dtype(h.dtype)
         for block in blocks:
-            inputs.append((a, b))
+            inputs.append((a.clone(), b.clone()))  # `_step` works in place
             lost.append(pack_low_bits(a, bits))
             records.append([])
-            a, b = _step(a, b, layer_update(block, from_fixed(b), sctx.for_layer(block.position_key), records[-1]),
-                         bits)
+            d = layer_update(block, stream_values(b, cdt), sctx.for_layer(block.position_key), records[-1])
+            a, b = _step(a, b, d, bits)
         errors = []
         for block, recs, packed, (a_0, b_0) in zip(reversed(blocks), reversed(records), reversed(lost),
                                                    reversed(inputs)):
-            invert_layer(block, a, b, sctx.for_layer(block.position_key), recs, packed, bits)
+            invert_layer(block, a, b, sctx.for_layer(block.position_key), recs, packed, bits, cdt)
             scale = max(float(b_0.abs().max()), float(a_0.abs().max()), 1.0)
             errors.append(max(float((a - a_0).abs().max()), float((b - b_0).abs().max())) / scale)
     return errors[::-1]

@@ -419,9 +419,9 @@ def _inverse_step(y, f, d, d_f, into_y: bool, into_d: bool, keep) -> tuple[torch
     return x_out, d_out
 
 
-def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str]):
+def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tuple[int, str], choices: bool = True):
     """`sub_block(x, sctx)`; with a list `records`, append its `SubBlockRecord`: the indices of the
-    choices it made (`recording_choices`) and its RNG record (`RNGState.used_since`).
+    choices it made (`recording_choices`; none with `choices=False`) and its RNG record (`RNGState.used_since`).
 
     Watching the RNG costs two reads of the generator state and one comparison per sub-block (the CPU
     generator's mt19937 state, and the CUDA state, read on the host without a device sync): far below any
@@ -431,9 +431,13 @@ def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tupl
     if records is None:
         return sub_block(x, sctx)
     before, within_rows = RNGState.capture(x.device), []
-    with recording_choices(within_rows) as choices:
+    if not choices:
         out = sub_block(x, sctx)
-    records.append(SubBlockRecord(where, choices, before.used_since(), tuple(within_rows)))
+        records.append(SubBlockRecord(where, [], before.used_since()))
+        return out
+    with recording_choices(within_rows) as made:
+        out = sub_block(x, sctx)
+    records.append(SubBlockRecord(where, made, before.used_since(), tuple(within_rows)))
     return out
 
 

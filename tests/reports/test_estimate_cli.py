@@ -11,9 +11,13 @@ def test_prints_a_breakdown(capsys):
     assert cli.main(["estimate", "--model", "qwen1.5-moe-a2.7b", "--method", "revffn", "--batch", "8",
                      "--seq", "2048", "--gpu-mem", "80GB"]) == 0
     out = capsys.readouterr().out
-    for word in ("memory estimate", "weights", "optimizer_states", "activations", "routing records", "total",
+    for word in ("memory estimate", "weights", "optimizer_states", "activations", "total",
                  "fits on this GPU (80GB): no"):
         assert word in out, word
+    assert "routing records" not in out  # the buffered default rebuilds bitwise: it records no choices
+    assert cli.main(["estimate", "--model", "qwen1.5-moe-a2.7b", "--method", "revffn", "--batch", "8",
+                     "--seq", "2048", "--option", "coupling=additive"]) == 0
+    assert "routing records" in capsys.readouterr().out  # the additive coupling's top-k indices
 
 
 def test_json_is_one_object(capsys):
