@@ -21,25 +21,27 @@ from revffn.methods.revffn import RECOMPUTE_CHUNK_TOKENS
 from revffn.reports.render.bench import bench_markdown, render_dir, sweep_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILE = "--model tiny-qwen2-moe --methods full,ckpt,revffn,lora,dora,hift,refta --hidden 256 --batch 4 --seq 512"
+ADDITIVE = "revffn:revffn.coupling=additive"  # `revffn` is the buffered default; beside it the additive coupling
+PROFILE = (f"--model tiny-qwen2-moe --methods full,ckpt,revffn,{ADDITIVE},lora,dora,hift,refta --hidden 256 --batch 4 "
+           "--seq 512")
 PEER = "hf-trainer+ckpt"  # what users would run instead: transformers' Trainer with gradient checkpointing
 INB = ":optimizer_in_backward=true"
 IN_BACKWARD = ["ckpt", "revffn", f"ckpt{INB}", f"revffn{INB}"]  # the in-backward sweep's methods
 CHUNKS = [f"revffn:revffn.recompute_chunk_tokens={n}" for n in (4096, 2048)] + [  # the chunk sweep's methods
     "revffn", "revffn:revffn.recompute_chunk_tokens=512"]  # (the default is plain `revffn`)
-FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false"]  # the fold sweep's (RevFFN's default folds)
+FOLD = ["ckpt", "revffn", "revffn:revffn.fold_adapters=false"]  # the fold sweep's, on the additive coupling (it folds
+# by default; the buffered coupling has no adapters to fold)
 COMMANDS = [f"revffn bench {PROFILE} --layers 16 --steps 3 --peers hf-trainer --threads 1 --out docs/bench",
             f"revffn bench {PROFILE} --steps 1 --sweep layers=4,8,16,32 --threads 1 --out docs/bench",
-            "revffn bench --model tiny-qwen2-moe --methods ckpt,revffn --hidden 256 --batch 4 --layers 16 --steps 2 "
-            f"--sweep seq=512,1024,2048,4096 --peers {PEER} --threads 1 --out docs/bench_peer",
+            f"revffn bench --model tiny-qwen2-moe --methods ckpt,revffn,{ADDITIVE} --hidden 256 --batch 4 --layers 16 "
+            f"--steps 2 --sweep seq=512,1024,2048,4096 --peers {PEER} --threads 1 --out docs/bench_peer",
             f"revffn bench --model tiny-qwen2-moe --methods {','.join(IN_BACKWARD)} --hidden 256 --batch 4 --layers 16 "
             f"--steps 2 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_in_backward",
-            f"revffn bench --model tiny-qwen2-moe --methods {','.join(CHUNKS)} "
-            "--set revffn.adapter_init=coordinate --hidden 256 --batch 4 "
+            f"revffn bench --model tiny-qwen2-moe --methods {','.join(CHUNKS)} --hidden 256 --batch 4 "
             f"--layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 --out docs/bench_chunks",
-            f"revffn bench --model tiny-qwen2-moe --methods {','.join(FOLD)} --set revffn.adapter_init=coordinate "
-            f"--hidden 256 --batch 4 --layers 16 --steps 3 --sweep seq=512,2048 --peers {PEER} --threads 1 "
-            "--out docs/bench_fold",
+            f"revffn bench --model tiny-qwen2-moe --methods {','.join(FOLD)} --set revffn.coupling=additive "
+            "--set revffn.adapter_init=coordinate --hidden 256 --batch 4 --layers 16 --steps 3 --sweep seq=512,2048 "
+            f"--peers {PEER} --threads 1 --out docs/bench_fold",
             "python scripts/memory_timeline.py --out docs/memory_timeline.json",
             "python scripts/benchmarks_page.py"]
 
@@ -61,30 +63,37 @@ def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_
     def ratio(key, a, b):
         return rows[a][key] / rows[b][key] if a in rows and b in rows else None
 
-    out = [("peak memory, revffn ÷ full", "≤ 0.50", ratio("peak_mem_bytes", "revffn", "full"), lambda x: x <= 0.5),
-           ("peak memory, revffn ÷ ckpt", "≤ 1.00", ratio("peak_mem_bytes", "revffn", "ckpt"), lambda x: x <= 1.0),
-           ("tokens/s, revffn ÷ full", "≥ 0.75", ratio("tokens_per_s", "revffn", "full"), lambda x: x >= 0.75),
-           ("tokens/s, revffn ÷ ckpt", "≥ 0.90", ratio("tokens_per_s", "revffn", "ckpt"), lambda x: x >= 0.9)]
-    flat = None
-    if sweep:
-        values = sweep["sweep"]["values"]
-        acts = {r["value"]: r["activation_bytes"] for r in sweep["results"]
-                if r["method"] == "revffn" and r.get("status") == "ok"}
-        if values[0] in acts and values[-1] in acts:
-            flat = acts[values[-1]] / acts[values[0]]
-        what = f"sweep: revffn saved-for-backward bytes, {values[-1]} ÷ {values[0]} layers"
-    else:
-        what = "sweep: revffn saved-for-backward bytes, deepest ÷ shallowest"
-    out.append((what, "≤ 1.05", flat, lambda x: x <= 1.05))
-    out += [(f"peak memory, ckpt ÷ {PEER}", "≤ 1.05", ratio("peak_mem_bytes", "ckpt", PEER), lambda x: x <= 1.05),
-            (f"peak memory, revffn ÷ {PEER}", "≤ 1.00", ratio("peak_mem_bytes", "revffn", PEER), lambda x: x <= 1.0)]
+    out = []
+    for m in ("revffn", ADDITIVE):  # the buffered default, then the additive coupling
+        out += [(f"peak memory, {m} ÷ full", "≤ 0.50", ratio("peak_mem_bytes", m, "full"), lambda x: x <= 0.5),
+                (f"peak memory, {m} ÷ ckpt", "≤ 1.00", ratio("peak_mem_bytes", m, "ckpt"), lambda x: x <= 1.0),
+                (f"tokens/s, {m} ÷ full", "≥ 0.75", ratio("tokens_per_s", m, "full"), lambda x: x >= 0.75),
+                (f"tokens/s, {m} ÷ ckpt", "≥ 0.90", ratio("tokens_per_s", m, "ckpt"), lambda x: x >= 0.9)]
+    # flat in depth: the additive coupling's goal; the buffered one keeps k bits a coordinate a layer (no goal)
+    for m, goal, test in ((ADDITIVE, "≤ 1.05", lambda x: x <= 1.05), ("revffn", "none: k/8 B a coordinate a layer",
+                                                                       None)):
+        flat = None
+        if sweep:
+            values = sweep["sweep"]["values"]
+            acts = {r["value"]: r["activation_bytes"] for r in sweep["results"]
+                    if r["method"] == m and r.get("status") == "ok"}
+            if values[0] in acts and values[-1] in acts:
+                flat = acts[values[-1]] / acts[values[0]]
+            what = f"sweep: {m} saved-for-backward bytes, {values[-1]} ÷ {values[0]} layers"
+        else:
+            what = f"sweep: {m} saved-for-backward bytes, deepest ÷ shallowest"
+        out.append((what, goal, flat, test))
+    out += [(f"peak memory, ckpt ÷ {PEER}", "≤ 1.05", ratio("peak_mem_bytes", "ckpt", PEER), lambda x: x <= 1.05)]
+    out += [(f"peak memory, {m} ÷ {PEER}", "≤ 1.00", ratio("peak_mem_bytes", m, PEER), lambda x: x <= 1.0)
+            for m in ("revffn", ADDITIVE)]
     for value in [v for v in (peer_sweep or {}).get("sweep", {}).get("values", []) if v >= 2048]:
         at = {r["method"]: r for r in peer_sweep["results"] if r["value"] == value and r.get("status") == "ok"}
-        for key, goal, test in (("peak_mem_bytes", "≤ 0.80", lambda x: x <= 0.8),
-                                ("tokens_per_s", "≥ 0.85", lambda x: x >= 0.85)):
-            value_ratio = at["revffn"][key] / at[PEER][key] if "revffn" in at and PEER in at else None
-            what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
-            out.append((f"seq {value}: {what}, revffn ÷ {PEER}", goal, value_ratio, test))
+        for m in ("revffn", ADDITIVE):
+            for key, goal, test in (("peak_mem_bytes", "≤ 0.80", lambda x: x <= 0.8),
+                                    ("tokens_per_s", "≥ 0.85", lambda x: x >= 0.85)):
+                value_ratio = at[m][key] / at[PEER][key] if m in at and PEER in at else None
+                what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
+                out.append((f"seq {value}: {what}, {m} ÷ {PEER}", goal, value_ratio, test))
     for value in (in_backward or {}).get("sweep", {}).get("values", []):
         at = {r["method"]: r for r in in_backward["results"] if r["value"] == value and r.get("status") == "ok"}
         pairs = [("peak_mem_bytes", "≤ 1.00" if value < 2048 else "≤ 0.80", 1.0 if value < 2048 else 0.8)]
@@ -104,12 +113,14 @@ def targets(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_
                 what = "peak memory" if key == "peak_mem_bytes" else "tokens/s"
                 n, default = _chunk(method)
                 out.append((f"seq {value}: {what}, revffn, {n}-token chunks{default} ÷ {PEER}", goal, r, test))
-    return [(w, g, v, None if v is None else bool(test(v))) for w, g, v, test in out]
+    return [(w, g, v, None if v is None or test is None else bool(test(v))) for w, g, v, test in out]
 
 
 def fold_section(fold: dict) -> list[str]:
     """The P_down adapters folded into the layers at stage 2 (`revffn.fold_adapters`, the default) against not."""
     lines = [f"## P_down folded into the layers (`revffn.fold_adapters`), against {PEER}", "",
+             "The additive coupling's (`--set revffn.coupling=additive`: the buffered default has no adapters), "
+             "from the coordinate init.", "",
              _body(sweep_markdown(fold)), "", "![sweep: RevFFN folded and unfolded](bench_fold/sweep.png)", ""]
     at = {(r["method"], r["value"]): r for r in fold["results"] if r.get("status") == "ok"}
     unfolded = "revffn:revffn.fold_adapters=false"
@@ -162,11 +173,10 @@ def chunk_section(chunks: dict) -> list[str]:
                              f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}x)")
         lines.append(f"- seq {value}, against the peer's {peer['peak_mem_bytes'] / 2**20:.1f} MiB and "
                      f"{peer['tokens_per_s']:.0f} tokens/s, by chunks of " + "; ".join(parts) + ".")
-    lines += ["- The chunk bounds the backward's working set: each layer's MoE branch is recomputed and "
-              "back-propagated N tokens at a time, its attention by whole sequences of at most N tokens. These "
-              "rows skip the calibration (`revffn.adapter_init=coordinate`): it changes no training tensor, and "
-              "the set-up it leaves resident (code paged in for the fp64 fits, 9 MiB at seq 512) is the same at "
-              "every chunk size.", ""]
+    lines += ["- The chunk bounds the backward's working set: each layer is recomputed and back-propagated by "
+              "chunks of whole sequences of at most N tokens, and its forward runs the same chunks (the buffered "
+              "coupling's recompute must be bitwise: a matmul over fewer rows may round otherwise). These rows "
+              "run the buffered default.", ""]
     return lines
 
 
@@ -196,18 +206,19 @@ def timeline_section(rows: list[dict]) -> list[str]:
                                                                                  "gradient")}
         gap = v["peak_mib"] - c["peak_mib"]
         held = {k: (v["at_peak_mib"].get(k, 0), c["at_peak_mib"].get(k, 0)) for k in ("autograd_detail", "temporary")}
-        lines += ["", f"- RevFFN peaks {abs(gap):.1f} MiB {'above' if gap > 0 else 'below'} revffn's checkpointing. "
-                  f"Its adapters (the skips; P_down is folded into the layers) add +{d['parameter']:.1f} MiB of "
-                  "parameters and, frozen in stage 2 (the default since stop 43), no gradient or AdamW state: RevFFN "
-                  f"trains {v['trainable_params'] / 1e6:.2f} M parameters (its routers frozen), checkpointing "
-                  f"{c['trainable_params'] / 1e6:.2f} M (AdamW state {d['optimizer_state']:+.1f} MiB). The gradients "
-                  f"at the peak differ by {d['gradient']:+.1f} MiB "
-                  "only by when the peak falls: inside layer 0's backward, after more of its gradients are "
-                  "complete in RevFFN's case. Against the adapters, at the peak checkpointing holds "
+        lines += ["", f"- RevFFN (the buffered default) peaks {abs(gap):.1f} MiB "
+                  f"{'above' if gap > 0 else 'below'} revffn's checkpointing. The model adds no parameter; the "
+                  f"timeline files {d['parameter']:+.1f} MiB more under parameters (+2.0 at seq 256, `python "
+                  "scripts/memory_timeline.py --method revffn|ckpt --seq 256`: a token-sized 8-byte tensor, the size "
+                  "of one of its saved int64 streams), and RevFFN trains "
+                  f"{v['trainable_params'] / 1e6:.2f} M (its routers "
+                  f"frozen) against checkpointing's {c['trainable_params'] / 1e6:.2f} M (AdamW state "
+                  f"{d['optimizer_state']:+.1f} MiB); the gradients at the peak differ by {d['gradient']:+.1f} MiB "
+                  "by when the peak falls. At the peak checkpointing holds "
                   f"{held['autograd_detail'][1]:.1f} MiB of autograd's saved tensors and "
                   f"{held['temporary'][1]:.1f} of temporaries, RevFFN {held['autograd_detail'][0]:.1f} and "
-                  f"{held['temporary'][0]:.1f} (one chunk's recompute). Both peaks fall at the end of backward "
-                  f"({c['peak_at']:.2f} and {v['peak_at']:.2f} of the step)."]
+                  f"{held['temporary'][0]:.1f} (its int64 streams, the bit buffer and one chunk's recompute). The "
+                  f"peaks fall at {c['peak_at']:.2f} and {v['peak_at']:.2f} of the step."]
         if ("revffn", True) in by:
             b = by[("revffn", True)]
             lines.append(f"- With the optimizer stepped in backward each gradient is freed as soon as it is "
@@ -223,7 +234,7 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
     threads = meta.get("torch_threads")
     lines = ["# Benchmarks", "",
              "Regenerate this page with one command, `python scripts/benchmarks_page.py --run` (CPU, on an otherwise "
-             "idle machine; about 70 minutes on 2 cores), which runs these one after the other:",
+             "idle machine; about an hour on 2 cores: 61 min at stop 49), which runs these one after the other:",
              "", "```bash", *COMMANDS, "```", "",
              f"Measured on {meta.get('cpu')} ({meta.get('cpu_count')} cores), **{threads} torch threads** per method "
              f"process, torch {meta.get('torch')}, transformers {meta.get('transformers')}, peft {meta.get('peft')}; "
@@ -272,6 +283,10 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
                   "gradients pile up" + in_backward_gains(in_backward) + ".",
                   ""]
     lines += ["## Reading the numbers", "",
+              "- Since stop 49 every `revffn` row is RevFFN's default, the buffered coupling (docs/conversion.md: "
+              "each decoder layer whole on int64 fixed-point streams, 6 bits a coordinate a layer kept for the "
+              f"backward, no adapters, no calibration); `{ADDITIVE}` is the adapters' coupling, flat in depth, which "
+              "the pages before measured as `revffn` (and which the history below is about).",
               f"- *{PEER}* is transformers' own `Trainer` (`TrainingArguments(activation_checkpointing=True)`, "
               "non-reentrant) on the same model, batch, dtype and AdamW, in its own fresh process "
               "(`revffn.reports.workers.peer`); `hf-trainer` the same without checkpointing. Its loss is HF's, "
@@ -283,7 +298,7 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "checkpoint's recompute during backward and kept each recomputed layer's logits, and with them that "
               "layer's whole graph, until the next step (290 MiB of live tensors after backward). The taps now "
               "listen only during the forward (`RouterTap.listen`); ckpt peaks at the peer's memory.",
-              "- RevFFN recomputes each layer's MoE branch in backward by chunks of "
+              "- The additive coupling recomputes each layer's MoE branch in backward by chunks of "
               "`revffn.recompute_chunk_tokens` tokens and its attention by chunks of whole sequences (section above;"
               " 1024 by default since stop 44, 4096 before, 0 before that: the whole batch). History: the first "
               "chunking took seq 2048 from 657 to 579 MiB at the same tokens/s; torch.profiler's timeline (`python "
@@ -312,8 +327,8 @@ def page(bench: dict, sweep: dict | None, peer_sweep: dict | None = None, in_bac
               "to 0.993x), 413.5 to 399.4 at 1024, 460.0 to 420.1 at 2048 (0.729x to 0.666x) and 565.8 to 524.2 "
               "at 4096 (0.567x to 0.526x); the chunk sweep's default rows 385.6 to 379.4 and 450.5 to 410.6. With "
               "the optimizer stepped in backward the seq-2048 peak falls earlier in the step and stays 400.9.",
-              "- The 16-layer bench's revffn row calibrates (the default `adapter_init`) and the chunk sweep's does "
-              "not (at stop 45: 389.0 against 379.4 MiB at seq 512). Stop 44, side by side (`revffn bench --model "
+              "- The 16-layer bench's additive row calibrates (the default `adapter_init`); stop 45's chunk sweep "
+              "did not (389.0 against 379.4 MiB at seq 512). Stop 44, side by side (`revffn bench --model "
               "tiny-qwen2-moe --methods "
               "revffn,revffn:revffn.adapter_init=coordinate --hidden 256 --batch 4 --seq 512 --layers 16 --steps 2 "
               "--threads 1`) the calibrated step peaks 9.3 MiB higher, 394.9 against 385.6 MiB, with the same "
@@ -398,7 +413,8 @@ def main(argv: list[str]) -> int:
     out.write_text(page(bench, sweep, peer_sweep, in_backward, timeline, fold, chunks))
     print(f"wrote {out}")
     for what, goal, value, met in targets(bench, sweep, peer_sweep, in_backward, chunks):
-        print(f"  {what}: {'n/a' if value is None else f'{value:.3f}'} (goal {goal}) {'' if met else 'NOT MET'}")
+        shown = "n/a" if value is None else f"{value:.3f}"
+        print(f"  {what}: {shown} (goal {goal}) {'NOT MET' if met is False else ''}")
     return 0
 
 

@@ -160,8 +160,8 @@ def _piece(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
 
 def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | None = None) -> torch.Tensor:
     """D(x) = F(x) + G(x + F(x)): the decoder layer's update, its branches as the block runs them, by `_spans`. With
-    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the RNG state each drew from; no choices). Adds the
-    router's logits to the load-balancing sum."""
+    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the RNG state each drew from; no choices).
+    Adds the router's logits to the load-balancing sum."""
     spans = _spans(block, x, sctx)
     d = x if len(spans) == 1 else torch.empty_like(x)
     logits = []
@@ -243,8 +243,9 @@ def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple
 
 class BufferedStackFunction(torch.autograd.Function):
     """Autograd over the stack on fixed-point streams: saves the top (a, b), each layer's dropped bits and the
-    branches' RNG states where they drew. The blocks' parameters are not inputs (their gradients accumulate from the nested
-    backward calls, as in `RevStackFunction`); `anchor` keeps the backward reachable when h does not require grad."""
+    branches' RNG states where they drew. The blocks' parameters are not inputs (their gradients accumulate from the
+    nested backward calls, as in `RevStackFunction`); `anchor` keeps the backward reachable when h does not require
+    grad."""
 
     @staticmethod
     def forward(ctx, h, blocks, sctx: StackContext, bits: int, anchor):
