@@ -33,13 +33,12 @@ are the reference for them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import replace
 
 import torch
 
-from revffn.reversible.coupling import StackContext, _watched
+from revffn.reversible.coupling import StackContext, _replaying_rng, _watched
 from revffn.reversible.replay import SubBlockRecord
 
 FRAC = 32  # fraction bits of the fixed-point streams: resolution 2^-32 (2.3e-10), range +-2^31
@@ -204,9 +203,9 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
         at = slice(None) if rows is None else rows
         with torch.enable_grad() if grads is not None else torch.no_grad():
             x = stream_values(b[at], dtype).requires_grad_(grads is not None)
-            with _same_rng(recs[0], cctx):
+            with _replaying_rng(recs[0], cctx):
                 f = block.F(x, cctx)
-            with _same_rng(recs[1], cctx):
+            with _replaying_rng(recs[1], cctx):
                 g = block.G(x + f, cctx)
             logits = block.router_tap.take() if block.router_tap is not None else None
             d = f + g
@@ -227,11 +226,6 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
         g_b *= 2.0 ** -bits
         return g_b, g_a
     return None
-
-
-def _same_rng(record: SubBlockRecord, sctx: StackContext):
-    """The sub-block's recompute draws the random numbers its forward drew (dropout, router jitter)."""
-    return record.rng.replay() if record.rng is not None and sctx.replay_rng else contextlib.nullcontext()
 
 
 def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -431,14 +431,16 @@ def _watched(sub_block, x, sctx: StackContext, records: list | None, where: tupl
     if records is None:
         return sub_block(x, sctx)
     before, within_rows = RNGState.capture(x.device), []
-    if not choices:
-        out = sub_block(x, sctx)
-        records.append(SubBlockRecord(where, [], before.used_since()))
-        return out
-    with recording_choices(within_rows) as made:
+    with recording_choices(within_rows) if choices else contextlib.nullcontext([]) as made:
         out = sub_block(x, sctx)
     records.append(SubBlockRecord(where, made, before.used_since(), tuple(within_rows)))
     return out
+
+
+def _replaying_rng(record: SubBlockRecord, sctx: StackContext):
+    """The sub-block's recompute draws the random numbers its forward drew (dropout, router jitter), unless
+    `sctx.replay_rng` is off."""
+    return record.rng.replay() if record.rng is not None and sctx.replay_rng else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -446,7 +448,7 @@ def _replaying(record: SubBlockRecord, sctx: StackContext):
     """Recompute a sub-block as the function it was in forward: its RNG state (unless
     `sctx.replay_rng` is off) and its choices (unless `sctx.replay_routing` is off); with
     `sctx.track_flips`, add the choices the rebuilt input would have changed to `stats["routing_flips"]`."""
-    with record.rng.replay() if record.rng is not None and sctx.replay_rng else contextlib.nullcontext():
+    with _replaying_rng(record, sctx):
         if not sctx.replay_routing:
             yield
             return
