@@ -238,7 +238,8 @@ def cmd_convert(args) -> int:
                        adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
                        heal_eval_steps=args.heal_eval_steps, stream_dtype=args.stream_dtype, seed=args.seed,
                        overwrite=args.overwrite, stream_width=args.stream_width, device=args.device,
-                       coupling=args.coupling, **({"buffer_bits": args.buffer_bits} if args.buffer_bits else {}))
+                       coupling=args.coupling, buffer_momentum=args.buffer_momentum,
+                       **({"buffer_bits": args.buffer_bits} if args.buffer_bits else {}))
     manifest = run_convert(spec)
     gap = manifest["conversion_gap"]
     figures = ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data")
@@ -502,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "calibrated and optionally healed; revffn.coupling)")
     k.add_argument("--buffer-bits", type=_positive, default=None, help="the buffered coupling's bits a coordinate "
                    "a layer (1-8; default: revffn.buffer_bits's, 6)")
+    k.add_argument("--buffer-momentum", default="positive", help="the buffered coupling's momentum sign: positive "
+                   "(the default) | negative (the form before stop 50; revffn.buffer_momentum)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "

@@ -131,23 +131,25 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
 
 
 def buffered_row(bits: int, out: Path, threads: int, model: str, eval_data: str, device: str = "cpu",
-                 probes: str | None = None) -> dict:
-    """`revffn convert MODEL --coupling buffered --buffer-bits BITS` in a fresh process: every decoder layer whole on
-    fixed-point streams (no adapters, nothing to calibrate or heal); the row from its revffn.json and probes."""
-    name = f"buffered coupling, {bits} bits (no adapters)"
-    target = out / "models" / f"buffered_{bits}"
+                 probes: str | None = None, momentum: str = "positive") -> dict:
+    """`revffn convert MODEL --coupling buffered --buffer-bits BITS --buffer-momentum MOMENTUM` in a fresh process:
+    every decoder layer whole on fixed-point streams (no adapters, nothing to calibrate or heal); the row from its
+    revffn.json and probes."""
+    name = f"buffered coupling, {bits} bits, {momentum} momentum (no adapters)"
+    target = out / "models" / f"buffered_{bits}_{momentum}"
     cmd = [sys.executable, "-m", "revffn", "convert", model, "--out", str(target), "--overwrite", "--coupling",
-           "buffered", "--buffer-bits", str(bits), "--eval-data", eval_data] + (["--device", device]
-                                                                               if device != "cpu" else [])
+           "buffered", "--buffer-bits", str(bits), "--buffer-momentum", momentum, "--eval-data", eval_data] + (
+               ["--device", device] if device != "cpu" else [])
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     done = target / "revffn.json"
-    if not (done.is_file() and json.loads(done.read_text())["convert"].get("buffer_bits") == bits):
+    held = json.loads(done.read_text())["convert"] if done.is_file() else {}
+    if (held.get("buffer_bits"), held.get("buffer_momentum")) != (bits, momentum):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
     m = json.loads(done.read_text())
-    row = {"name": name, "status": "ok", "coupling": "buffered", "buffer_bits": bits,
+    row = {"name": name, "status": "ok", "coupling": "buffered", "buffer_bits": bits, "buffer_momentum": momentum,
            "loss": m["conversion_gap"]["buffered"], "calibration_s": 0.0, "peak_rss_bytes": m["peak_rss_bytes"],
            "wall_s": m["wall_s"], "tokens_to_target": 0, "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
     if probes:
@@ -207,7 +209,8 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="a real model's rows to run, by index (0: half "
                         "width, self; 1: full, self; 2: full, pydoc; 3: full, pydoc x2 tokens; 4: 2 + a heal on pydoc "
                         "at 1e-4; 5: full, stdlib + a heal on stdlib at auto, the additive defaults; 6: full, stdlib, "
-                        "the default calibration alone; 7, 8: the buffered coupling at 4 and 6 bits); default all")
+                        "the default calibration alone; 7, 8: the buffered coupling at 4 and 6 bits, positive "
+                        "momentum; 9, 10: the same, negative momentum); default all")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="where each row converts")
     parser.add_argument("--render", default=None, metavar="JSON", help="only render a conversion JSON written before "
                         "(e.g. one a GPU wrote) into --docs")
@@ -266,14 +269,15 @@ def real_model(args, out: Path) -> None:
     plan = [("half", "self", tokens, None, 0, "auto"), ("full", "self", tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, None, 0, "auto"), ("full", "pydoc", 2 * tokens, None, 0, "auto"),
             ("full", "pydoc", tokens, "pydoc", steps, "1e-4"), ("full", "stdlib", tokens, "stdlib", steps, "auto"),
-            ("full", "stdlib", tokens, None, 0, "auto"), ("buffered", 4), ("buffered", 6)]
+            ("full", "stdlib", tokens, None, 0, "auto"), ("buffered", 4, "positive"), ("buffered", 6, "positive"),
+            ("buffered", 4, "negative"), ("buffered", 6, "negative")]
     if args.rows:  # a subset (a CPU budget); rows converted before, in OUT, are read back rather than redone
         plan = [plan[int(i)] for i in args.rows.split(",")]
 
     def run(item):
         if item[0] == "buffered":
-            print(f"buffered, {item[1]} bits ...", file=sys.stderr, flush=True)
-            return buffered_row(item[1], out, args.threads, args.model, REAL_EVAL, args.device, REAL_PROBES)
+            print(f"buffered, {item[1]} bits, {item[2]} momentum ...", file=sys.stderr, flush=True)
+            return buffered_row(item[1], out, args.threads, args.model, REAL_EVAL, args.device, REAL_PROBES, item[2])
         width, cal, n, heal, n_steps, lr = item
         name = f"calibrated ({width} width; {cal} {n // 1024}k" + (f"; heal {heal} x{n_steps}" if heal else "") + ")"
         print(f"{name} ...", file=sys.stderr, flush=True)

@@ -44,7 +44,14 @@ from revffn.archs.layout import (
 from revffn.archs.spec import ArchSpec, config_value, get_path
 from revffn.conversion.loss import CHUNK_TOKENS, SwitchAux, causal_lm_loss, head_logits
 from revffn.errors import UserError
-from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS, buffered_rebuild_errors, run_buffered_stack
+from revffn.reversible.buffered import (
+    BUFFER_BITS,
+    DEFAULT_BUFFER_BITS,
+    DEFAULT_MOMENTUM,
+    MOMENTUM_SIGNS,
+    buffered_rebuild_errors,
+    run_buffered_stack,
+)
 from revffn.reversible.coupling import PartialGradients, RevBlock, StackContext, rebuild_errors, run_stack
 from revffn.reversible.replay import AutocastState, RouterTap
 
@@ -448,7 +455,8 @@ class RevFFNForCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, spec: ArchSpec, adapter_init: str = "coordinate",
                  stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
                  chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False, stream_width: str = "half",
-                 coupling: str = "additive", buffer_bits: int = DEFAULT_BUFFER_BITS):
+                 coupling: str = "additive", buffer_bits: int = DEFAULT_BUFFER_BITS,
+                 buffer_momentum: str = DEFAULT_MOMENTUM):
         super().__init__()
         if coupling not in COUPLINGS:
             raise UserError(f"unknown coupling {coupling!r}. Fix: revffn.coupling must be one of "
@@ -458,7 +466,10 @@ class RevFFNForCausalLM(nn.Module):
                             "layer. Fix: revffn.buffer_bits between 1 and 8 (the default 6: SmolLM2 within 0.01 "
                             "nats).")
         self.hf, self.spec = hf_model, spec
-        self.coupling, self.buffer_bits = coupling, buffer_bits
+        if buffer_momentum not in MOMENTUM_SIGNS:
+            raise UserError(f"buffer_momentum={buffer_momentum!r}. Fix: revffn.buffer_momentum must be one of "
+                            f"{', '.join(MOMENTUM_SIGNS)}.")
+        self.coupling, self.buffer_bits, self.buffer_momentum = coupling, buffer_bits, buffer_momentum
         if coupling == "buffered":  # whole layers: no adapters, the hidden state is one d-wide stream of values
             adapter_skip, stream_width, adapter_init = False, "full", "coordinate"
         self.adapter_skip, self.stream_width = adapter_skip, stream_width
@@ -592,7 +603,8 @@ class RevFFNForCausalLM(nn.Module):
         sctx.recompute_chunk_tokens = self.recompute_chunk_tokens
         with self.debug.stack_scope():
             if self.coupling == "buffered":
-                top, aux = run_buffered_stack(list(self.blocks), X_2, sctx, reversible, self.buffer_bits)
+                top, aux = run_buffered_stack(list(self.blocks), X_2, sctx, reversible, self.buffer_bits,
+                                              MOMENTUM_SIGNS[self.buffer_momentum])
             else:
                 Y_1, Y_2, aux = run_stack(list(self.blocks), X_1, X_2, sctx, reversible)
                 top = self.merge(Y_1, Y_2)
@@ -637,7 +649,8 @@ class RevFFNForCausalLM(nn.Module):
             sctx, X_1, X_2 = self._stack_inputs(input_ids, attention_mask, None)
             sctx.aux = None  # nothing trains: no load-balancing sum
             if self.coupling == "buffered":
-                return buffered_rebuild_errors(list(self.blocks), X_2, sctx, self.buffer_bits)
+                return buffered_rebuild_errors(list(self.blocks), X_2, sctx, self.buffer_bits,
+                                               MOMENTUM_SIGNS[self.buffer_momentum])
             return rebuild_errors(list(self.blocks), X_1, X_2, sctx)
 
     def routing_flips(self) -> int:
@@ -685,7 +698,7 @@ def describe_streams(streams: dict) -> str:
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
             aux_loss_coef: float | None = None, reversible: bool = True,
             adapter_skip: bool = False, stream_width: str = "half", coupling: str = "additive",
-            buffer_bits: int = DEFAULT_BUFFER_BITS) -> RevFFNForCausalLM:
+            buffer_bits: int = DEFAULT_BUFFER_BITS, buffer_momentum: str = DEFAULT_MOMENTUM) -> RevFFNForCausalLM:
     """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
 
     Args:
@@ -703,7 +716,8 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
             ``half`` here, for the same reason as `adapter_skip`.
         coupling: ``additive`` (the adapters' coupling above) or ``buffered`` (every decoder layer whole on
             fixed-point streams, `reversible.buffered`: no adapters; adapter_init, adapter_skip and stream_width
-            do not apply), with `buffer_bits` (k: lam = 2^-k, k bits a coordinate a layer kept for the backward).
+            do not apply), with `buffer_bits` (k: lam = 2^-k, k bits a coordinate a layer kept for the backward)
+            and `buffer_momentum` (``positive`` | ``negative``: the sign of lam, `reversible.buffered`).
     Raises:
         UserError: unsupported architecture or odd hidden size.
     """
@@ -713,7 +727,7 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
         raise UserError(f"unknown stream_width {stream_width!r}. Fix: use one of {', '.join(STREAM_WIDTHS)}.")
     model = RevFFNForCausalLM(hf_model, spec_for(hf_model), adapter_init, stream_dtype, aux_loss_coef,
                               adapter_skip=adapter_skip, stream_width=stream_width, coupling=coupling,
-                              buffer_bits=buffer_bits)
+                              buffer_bits=buffer_bits, buffer_momentum=buffer_momentum)
     model.reversible = reversible
     model.train(hf_model.training)
     return model

@@ -54,7 +54,13 @@ from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.hf_remote import dtype_name, save_converted
-from revffn.reversible.buffered import BUFFER_BITS, DEFAULT_BUFFER_BITS, deterministic_kernels
+from revffn.reversible.buffered import (
+    BUFFER_BITS,
+    DEFAULT_BUFFER_BITS,
+    DEFAULT_MOMENTUM,
+    MOMENTUM_SIGNS,
+    deterministic_kernels,
+)
 from revffn.reversible.replay import compact_index_dtype
 from revffn.schema import Key
 
@@ -72,17 +78,22 @@ class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
         "coupling": Key(str, "buffered", "buffered: every decoder layer whole on int64 fixed-point streams, h' = h + "
-                        "layer update - 2^-buffer_bits x the previous update, exactly invertible with buffer_bits bits "
-                        "a coordinate a layer kept for the backward: no adapters, no calibration, no stage 1, the "
-                        "pretrained model to +0.006 nats (SmolLM2); additive: Y_1 = X_1 + F(X_2), Y_2 = X_2 + G(Y_1), "
-                        "the pretrained attention and MoE between calibrated adapters, a heal (stage 1) then stage 2, "
-                        "activation memory flat in depth (SmolLM2: +1.8 nats calibrated; docs/conversion.md); the "
+                        "layer update + 2^-buffer_bits x the last velocity (buffer_momentum), exactly invertible "
+                        "with buffer_bits bits a coordinate a layer kept for the backward: no adapters, no "
+                        "calibration, no stage 1, the pretrained model within 0.003 nats (SmolLM2); additive: Y_1 = "
+                        "X_1 + F(X_2), Y_2 = X_2 + G(Y_1), the pretrained attention and MoE between calibrated "
+                        "adapters, a heal (stage 1) then stage 2, activation memory flat in depth (SmolLM2: +1.8 "
+                        "nats calibrated; docs/conversion.md); the "
                         "options below from adapter_warmup_steps to fold_adapters are the additive coupling's",
                         choices=COUPLINGS),
         "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
                            "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "
-                           "layer input; SmolLM2 keeps 71 of 76 probe answers at 6, 67 at 4)",
+                           "layer input; SmolLM2 keeps 72 of 76 probe answers at 6, 70 at 4)",
                            min=min(BUFFER_BITS), max=max(BUFFER_BITS)),
+        "buffer_momentum": Key(str, DEFAULT_MOMENTUM, "coupling buffered: the sign of the coupling's 2^-k. positive: "
+                               "v' = 2^-k v + D(h), h' = h + v' (heavy-ball momentum; SmolLM2 -0.002 nats at 6 bits, "
+                               "+0.003 at 4); negative: v' = D(h) - 2^-k v, the form before stop 50 (+0.004 at 6, "
+                               "+0.028 at 4; runs and directories without the key)", choices=tuple(MOMENTUM_SIGNS)),
         "adapter_warmup_steps": Key(int, 10, "stage 1: steps that train only the projection adapters", min=0),
         "adapter_warmup_ratio": Key((float, type(None)), None, "stage 1 as a fraction of max_steps (at least 1 step, "
                                     "at most max_steps - 1), instead of adapter_warmup_steps; null: the steps",
@@ -252,7 +263,7 @@ class RevFFNMethod(Method):
         model = convert(hf_model, adapter_init=self.opts["adapter_init"], stream_dtype=dtype,
                         aux_loss_coef=self.cfg.router_aux_loss_coef, adapter_skip=self.opts["adapter_skip"],
                         stream_width=self.opts["stream_width"], coupling=self.opts["coupling"],
-                        buffer_bits=self.opts["buffer_bits"])
+                        buffer_bits=self.opts["buffer_bits"], buffer_momentum=self.opts["buffer_momentum"])
         model.recompute_chunk_tokens = self.opts["recompute_chunk_tokens"]
         self.on_meta = next(model.parameters()).is_meta  # sharded loading: the weights come after sharding
         if not self.on_meta:
@@ -267,7 +278,8 @@ class RevFFNMethod(Method):
 
         if self.opts["coupling"] == "buffered":  # the streams are fixed point, rebuilt bitwise
             log_line(f"coupling buffered: every decoder layer whole on int64 fixed-point streams, "
-                     f"{self.opts['buffer_bits']} bits a coordinate a layer kept for the backward")
+                     f"{self.opts['buffer_bits']} bits a coordinate a layer kept for the backward, "
+                     f"{self.opts['buffer_momentum']} momentum")
             return
         if self.opts["stream_dtype"] != AUTO or self.resuming:
             return

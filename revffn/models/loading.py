@@ -243,7 +243,8 @@ def is_converted(model: str, key: str = "model") -> bool:
 
 
 # absent from directories written before them
-CONVERTED_DEFAULTS = {"adapter_skip": False, "stream_width": "half", "coupling": "additive", "buffer_bits": 6}
+CONVERTED_DEFAULTS = {"adapter_skip": False, "stream_width": "half", "coupling": "additive", "buffer_bits": 6,
+                      "buffer_momentum": "negative"}
 
 
 def converted_option(model: str, name: str, key: str = "model"):
@@ -353,4 +354,5 @@ def converted_skeleton(root: Path, hf):
                    adapter_skip=bool(converted_option(str(root), "adapter_skip")),
                    stream_width=converted_option(str(root), "stream_width"),
                    coupling=converted_option(str(root), "coupling"),
-                   buffer_bits=converted_option(str(root), "buffer_bits"))
+                   buffer_bits=converted_option(str(root), "buffer_bits"),
+                   buffer_momentum=converted_option(str(root), "buffer_momentum"))

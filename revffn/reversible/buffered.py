@@ -3,12 +3,16 @@
 The additive coupling (`reversible.coupling`) must approximate each decoder layer with adapters, which a real
 30-layer model does not survive (docs/conversion.md). This one keeps every layer whole. Each block's decoder layer
 is h -> h + D(h), its update D(h) = F(h) + G(h + F(h)) (the block's attention branch F and MoE branch G with no
-adapters: a pre-norm decoder layer exactly). On two streams (a, b), b the hidden state:
+adapters: a pre-norm decoder layer exactly). On two streams (v, b), b the hidden state and v a velocity:
 
-    b' = lam * a + b + D(b)        a' = b - b' = -(lam * a + D(b))
+    v' = s * lam * v + D(b)        b' = b + v'
 
-so a holds minus the last update, and each layer adds lam times minus the previous layer's update to the
-pretrained one: lam = 0 is the unconverted model. The inverse is b = a' + b', then a = (b' - b - D(b)) / lam,
+the heavy-ball recurrence of Maclaurin et al. (2015), "Gradient-based hyperparameter optimization through
+reversible learning": each layer adds its pretrained update plus lam times the last velocity, lam = 0 being the
+unconverted model. `sign` s picks the momentum: +1 (`positive`, the default) carries every update on, amplified
+by 1 / (1 - lam); -1 (`negative`, the form before stop 50) takes lam times the last update back. The same bits
+buy very different fidelity: on SmolLM2-135M-Instruct positive momentum costs +0.003 nats at 4 bits and -0.002
+at 6, negative +0.028 and +0.004 (docs/conversion.md). The inverse is b = b' - v', then v = (v' - D(b)) / (s lam),
 which in floating point multiplies every layer's rounding by 1/lam (stop 45's scaled coupling: 10^16 after 30
 layers). As in MacKay et al. (2018), "Reversible recurrent neural networks", the streams are kept in fixed point
 (int64, `FRAC` fraction bits), lam = 2^-k is an arithmetic shift, and the k low bits the shift drops are kept in a
@@ -44,9 +48,13 @@ from revffn.reversible.replay import SubBlockRecord
 FRAC = 32  # fraction bits of the fixed-point streams: resolution 2^-32 (2.3e-10), range +-2^31
 LIMIT = 2.0 ** 30  # largest |value| a layer may write; beyond it the int64 streams could overflow
 BUFFER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
-# SmolLM2-135M-Instruct, no training: +0.028 nats and 67 of the base's 76 probe answers at 4 bits, 71 at 6 (the
-# issue's bound: 90 %, 69); 6 bits a coordinate a layer are 3/8 of bf16 checkpoints (docs/conversion.md)
+# SmolLM2-135M-Instruct, no training, positive momentum: +0.003 nats and 70 of 76 probe answers at 4 bits, -0.002
+# and 72 at 6 (the base: 74; the issue's bound, 90 % of it: 67); 6 bits a coordinate a layer are 3/8 of bf16
+# checkpoints (docs/conversion.md)
 DEFAULT_BUFFER_BITS = 6
+# the momentum's sign s (`revffn.buffer_momentum`); directories and runs that predate the key ran `negative`
+MOMENTUM_SIGNS = {"positive": 1, "negative": -1}
+DEFAULT_MOMENTUM = "positive"
 
 
 def deterministic_kernels(device: torch.device) -> None:
@@ -182,22 +190,23 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
     return d
 
 
-def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, records: list, packed: torch.Tensor,
-                 bits: int, dtype: torch.dtype, grads: tuple[torch.Tensor, torch.Tensor] | None = None, d_aux=None):
-    """In place, the layer's output (a, b) becomes its input: b = a + b, then its update D(b) recomputed span by
+def invert_layer(block, v: torch.Tensor, b: torch.Tensor, sctx: StackContext, records: list, packed: torch.Tensor,
+                 bits: int, sign: int, dtype: torch.dtype, grads: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 d_aux=None):
+    """In place, the layer's output (v, b) becomes its input: b = b - v, then its update D(b) recomputed span by
     span under each span's records (`_spans`, as the forward ran it) on the stream read in `dtype` (`stream_values`),
-    a = ((-a - D(b)) << bits) + the dropped bits.
-    With `grads` (g_a, g_b), the gradients w.r.t. the output, back-propagate through the layer (param grads
+    s v = ((v - D(b)) << bits) + the dropped bits.
+    With `grads` (g_v, g_b), the gradients w.r.t. the output, back-propagate through the layer (param grads
     accumulate into `.grad`, every span but the last partial, `PartialGradients`; the load-balancing surrogate's
     given `d_aux`) and return those w.r.t. its input, in the same two buffers:
 
-        g_new = g_b - g_a (b' feeds a' = b - b' with a minus);   g_a <- lam g_new;   g_b <- g_a + g_new + J^T g_new
+        g_new = g_v + g_b (v' feeds b' = b + v');   g_v <- s lam g_new;   g_b <- g_b + J^T g_new
     """
-    b += a
-    low = unpack_low_bits(packed, a.shape)
+    b -= v
+    low = unpack_low_bits(packed, v.shape)
     if grads is not None:
-        g_a, g_b = grads
-        g_b -= g_a  # g_new
+        g_v, g_b = grads
+        g_v += g_b  # g_new
     spans = _spans(block, b, sctx)
     for i, ((rows, cctx), recs) in enumerate(zip(spans, records)):
         at = slice(None) if rows is None else rows
@@ -210,50 +219,58 @@ def invert_layer(block, a: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
             logits = block.router_tap.take() if block.router_tap is not None else None
             d = f + g
             if grads is not None:
-                outputs, gs = [d], [g_b[at]]
+                outputs, gs = [d], [g_v[at]]
                 if d_aux is not None and logits is not None:
                     outputs.append(cctx.aux.surrogate(logits, d_aux))
                     gs.append(None)
                 grad = sctx.partial.backprop(outputs, gs, x, partial=i + 1 < len(spans))
-                g_a[at] += g_b[at]
                 if grad is not None:
-                    g_a[at] += grad
-        rebuilt = a[at]  # a view: the four steps in place
-        rebuilt.neg_().sub_(to_fixed(d.detach())).bitwise_left_shift_(bits).add_(low[at])
+                    g_b[at] += grad
+        rebuilt = v[at]  # a view: the three steps in place
+        rebuilt.sub_(to_fixed(d.detach())).bitwise_left_shift_(bits).add_(low[at])
+    if sign < 0:
+        v.neg_()
     if len(spans) > 1:
         sctx.stats.setdefault("recompute_chunks", {})[block.layer_idx] = len(spans)
     if grads is not None:
-        g_b *= 2.0 ** -bits
-        return g_b, g_a
+        g_v *= sign * 2.0 ** -bits
+        return g_v, g_b
     return None
 
 
-def _step(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's output streams (a', b') from its input (a, b) and update d, in place: b' = (a >> bits) + b + d
-    into a's storage, then a' = b - b' into b's."""
-    b_new = a.bitwise_right_shift_(bits).add_(b).add_(to_fixed(d))
-    return b.sub_(b_new), b_new
+def _lose_bits(v: torch.Tensor, bits: int, sign: int) -> torch.Tensor:
+    """In place, v becomes s v, the value the layer shifts; returns its `bits` low bits, which the shift drops."""
+    if sign < 0:
+        v.neg_()
+    return pack_low_bits(v, bits)
+
+
+def _step(sv: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output streams (v', b') from s v (`_lose_bits`), its input b and update d, in place:
+    v' = (s v >> bits) + d, b' = b + v'."""
+    v_new = sv.bitwise_right_shift_(bits).add_(to_fixed(d))
+    return v_new, b.add_(v_new)
 
 
 class BufferedStackFunction(torch.autograd.Function):
-    """Autograd over the stack on fixed-point streams: saves the top (a, b), each layer's dropped bits and the
+    """Autograd over the stack on fixed-point streams: saves the top (v, b), each layer's dropped bits and the
     branches' RNG states where they drew. The blocks' parameters are not inputs (their gradients accumulate from the
     nested backward calls, as in `RevStackFunction`); `anchor` keeps the backward reachable when h does not require
     grad."""
 
     @staticmethod
-    def forward(ctx, h, blocks, sctx: StackContext, bits: int, anchor):
+    def forward(ctx, h, blocks, sctx: StackContext, bits: int, sign: int, anchor):
         records, lost = [], []
         worst = torch.zeros((), dtype=torch.float64, device=h.device)
         with torch.no_grad():
-            a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+            v, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
             cdt = compute_dtype(h.dtype)
             for block in blocks:
-                lost.append(pack_low_bits(a, bits))
+                lost.append(_lose_bits(v, bits, sign))
                 records.append([])
                 d = layer_update(block, stream_values(b, cdt), sctx.for_layer(block.position_key), records[-1])
                 worst = torch.maximum(worst, d.abs().amax())
-                a, b = _step(a, b, d, bits)
+                v, b = _step(v, b, d, bits)
             worst = torch.maximum(worst, from_fixed(b).abs().amax())
             aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
         ctx.shape, ctx.h_dtype, ctx.device = h.shape, h.dtype, h.device
@@ -262,7 +279,7 @@ class BufferedStackFunction(torch.autograd.Function):
             # loss is, and the training loop stops as on any diverged run
             return torch.full_like(h, float("nan")), torch.full_like(aux, float("nan"))
         flat = [r for spans in records for pair in spans for r in pair]
-        ctx.blocks, ctx.bits = blocks, bits
+        ctx.blocks, ctx.bits, ctx.sign = blocks, bits, sign
         ctx.layout = [[[r.layout() for r in pair] for pair in spans] for spans in records]
         ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))
         ctx.n_ctx, ctx.n_lost = len(sctx.tensors()), len(lost)
@@ -272,15 +289,15 @@ class BufferedStackFunction(torch.autograd.Function):
         sctx.stats["rng_bytes"] = sum(t.numel() * t.element_size() for t in rng)
         sctx.stats["buffer_bytes"] = sum(t.numel() for t in lost)
         sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng}  # (the buffer counts)
-        ctx.save_for_backward(a, b, *lost, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
+        ctx.save_for_backward(v, b, *lost, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
         ctx.set_materialize_grads(False)
         return from_fixed(b).to(h.dtype), aux
 
     @staticmethod
     def backward(ctx, d_out, d_aux):
         if ctx.diverged:
-            return torch.full(ctx.shape, float("nan"), dtype=ctx.h_dtype, device=ctx.device), None, None, None, None
-        a, b, *rest = ctx.saved_tensors
+            return torch.full(ctx.shape, float("nan"), dtype=ctx.h_dtype, device=ctx.device), *[None] * 5
+        v, b, *rest = ctx.saved_tensors
         lost, rest = rest[: ctx.n_lost], rest[ctx.n_lost :]
         sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])
         saved = iter(rest[ctx.n_ctx :])
@@ -288,22 +305,23 @@ class BufferedStackFunction(torch.autograd.Function):
         use_aux = sctx.aux is not None and sctx.aux.differentiable and d_aux is not None
         # the gradient streams in float32 (float64 for a float64 model), as an ordinary backward accumulates them
         gdt = compute_dtype(ctx.h_dtype)
-        g_b = d_out.to(gdt, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=gdt, device=a.device)
-        g_a = torch.zeros_like(g_b)
+        g_b = d_out.to(gdt, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=gdt, device=v.device)
+        g_v = torch.zeros_like(g_b)
         for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
             # the saved streams are this backward's own buffers: each layer's input is rebuilt into them
-            g_a, g_b = invert_layer(block, a, b, sctx.for_layer(block.position_key), records, packed, ctx.bits, gdt,
-                                    (g_a, g_b), d_aux if use_aux else None)
+            g_v, g_b = invert_layer(block, v, b, sctx.for_layer(block.position_key), records, packed, ctx.bits,
+                                    ctx.sign, gdt, (g_v, g_b), d_aux if use_aux else None)
             if sctx.probe is not None:
-                sctx.probe(block.layer_idx, from_fixed(a), from_fixed(b))
-        if bool(a.any()):  # a starts at 0: a recompute that was not bitwise leaves it nonzero (x 2^k a layer)
+                sctx.probe(block.layer_idx, from_fixed(v), from_fixed(b))
+        if bool(v.any()):  # v starts at 0: a recompute that was not bitwise leaves it nonzero (x 2^k a layer)
             raise RebuildError("the buffered coupling did not rebuild the stack's input bitwise: a decoder layer "
                                "recomputed in backward differed from its forward (a nondeterministic kernel). Fix: "
                                "torch.use_deterministic_algorithms(True), or revffn.coupling=additive.")
-        return g_b.to(ctx.h_dtype), None, None, None, None
+        return g_b.to(ctx.h_dtype), None, None, None, None, None
 
 
-def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: bool, bits: int):
+def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: bool, bits: int,
+                       sign: int = MOMENTUM_SIGNS[DEFAULT_MOMENTUM]):
     """Run `blocks` on the hidden state h (B, T, d); returns (the top b in h's dtype, aux).
 
     reversible=True uses `BufferedStackFunction` (fixed point, bit buffer); False is the plain twin: the same
@@ -311,36 +329,37 @@ def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: 
     the parity tests, and eval's path, with a KV cache for decoding)."""
     if reversible:
         anchor = torch.empty(0, device=h.device, requires_grad=torch.is_grad_enabled())
-        return BufferedStackFunction.apply(h, blocks, sctx, bits, anchor)
-    lam, cdt = 2.0 ** -bits, compute_dtype(h.dtype)
-    a, b = torch.zeros(h.shape, dtype=torch.float64, device=h.device), snap(h.to(torch.float64))
+        return BufferedStackFunction.apply(h, blocks, sctx, bits, sign, anchor)
+    lam, cdt = sign * 2.0 ** -bits, compute_dtype(h.dtype)
+    v, b = torch.zeros(h.shape, dtype=torch.float64, device=h.device), snap(h.to(torch.float64))
     for block in blocks:
         if sctx.probe is not None:
-            sctx.probe(block.layer_idx, a, b)
+            sctx.probe(block.layer_idx, v, b)
         d = layer_update(block, b.to(cdt), sctx.for_layer(block.position_key))
-        b_new = snap(lam * a, floor=True) + b + snap(d.to(torch.float64))
-        a, b = b - b_new, b_new
+        v = snap(lam * v, floor=True) + snap(d.to(torch.float64))
+        b = b + v
     aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
     return b.to(h.dtype), aux
 
 
-def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: int) -> list[float]:
+def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: int,
+                            sign: int = MOMENTUM_SIGNS[DEFAULT_MOMENTUM]) -> list[float]:
     """Per block, bottom to top: max |rebuilt - forward| of its fixed-point inputs (a, b), the rebuild as the
     backward runs it (choices replayed), relative to the stream scale: 0.0 wherever the recompute is bitwise."""
     inputs, records, lost = [], [], []
     with torch.no_grad():
-        a, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
+        v, b = torch.zeros(h.shape, dtype=torch.int64, device=h.device), to_fixed(h)
         cdt = compute_dtype(h.dtype)
         for block in blocks:
-            inputs.append((a.clone(), b.clone()))  # `_step` works in place
-            lost.append(pack_low_bits(a, bits))
+            inputs.append((v.clone(), b.clone()))  # `_lose_bits` and `_step` work in place
+            lost.append(_lose_bits(v, bits, sign))
             records.append([])
             d = layer_update(block, stream_values(b, cdt), sctx.for_layer(block.position_key), records[-1])
-            a, b = _step(a, b, d, bits)
+            v, b = _step(v, b, d, bits)
         errors = []
-        for block, recs, packed, (a_0, b_0) in zip(reversed(blocks), reversed(records), reversed(lost),
+        for block, recs, packed, (v_0, b_0) in zip(reversed(blocks), reversed(records), reversed(lost),
                                                    reversed(inputs)):
-            invert_layer(block, a, b, sctx.for_layer(block.position_key), recs, packed, bits, cdt)
-            scale = max(float(b_0.abs().max()), float(a_0.abs().max()), 1.0)
-            errors.append(max(float((a - a_0).abs().max()), float((b - b_0).abs().max())) / scale)
+            invert_layer(block, v, b, sctx.for_layer(block.position_key), recs, packed, bits, sign, cdt)
+            scale = max(float(b_0.abs().max()), float(v_0.abs().max()), 1.0)
+            errors.append(max(float((v - v_0).abs().max()), float((b - b_0).abs().max())) / scale)
     return errors[::-1]

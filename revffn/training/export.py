@@ -48,7 +48,7 @@ from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf
 from revffn.models.presets import TINY_PRESETS
 from revffn.progress import progress
-from revffn.reversible.buffered import DEFAULT_BUFFER_BITS
+from revffn.reversible.buffered import DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM, MOMENTUM_SIGNS
 from revffn.training.config import load_config
 from revffn.training.evaluate import RETENTION_SET, retention_loss
 from revffn.training.step import build_run, train_step
@@ -78,6 +78,7 @@ class ConvertSpec:
     device: str = "cpu"  # cpu | cuda | auto: where the model is calibrated, healed and measured
     coupling: str = "buffered"  # the decoder layers whole (no adapters: nothing to calibrate or heal); or additive
     buffer_bits: int = DEFAULT_BUFFER_BITS
+    buffer_momentum: str = DEFAULT_MOMENTUM
 
 
 def convert_device(device: str) -> torch.device:
@@ -109,6 +110,9 @@ def validate(spec: ConvertSpec):
                         "model to 2^-buffer_bits as converted). Fix: drop --heal-steps, or --coupling additive.")
     if not 1 <= spec.buffer_bits <= 8:
         raise UserError(f"--buffer-bits {spec.buffer_bits}: the buffered coupling keeps 1 to 8 bits. Fix: 1 to 8.")
+    if spec.buffer_momentum not in MOMENTUM_SIGNS:
+        raise UserError(f"--buffer-momentum: unknown momentum {spec.buffer_momentum!r}. Fix: one of "
+                        f"{', '.join(MOMENTUM_SIGNS)}.")
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
@@ -147,7 +151,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
         gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
     model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES.get(spec.stream_dtype, torch.float32),
                     adapter_skip=spec.adapter_skip, stream_width=spec.stream_width, coupling=spec.coupling,
-                    buffer_bits=spec.buffer_bits).eval()
+                    buffer_bits=spec.buffer_bits, buffer_momentum=spec.buffer_momentum).eval()
     buffered = spec.coupling == "buffered"
     if data:
         gap["buffered" if buffered else "coordinate"] = retention_loss(model, tokenizer, data)

@@ -307,10 +307,20 @@ def test_a_buffered_model_round_trips_and_decodes_with_a_cache(tmp_path):
     save_converted(model, out)
     write_manifest(out, format="revffn", method="revffn", stream_dtype="float32")
     config = json.loads((out / "config.json").read_text())
-    assert (config["coupling"], config["buffer_bits"]) == ("buffered", 3)
+    assert (config["coupling"], config["buffer_bits"], config["buffer_momentum"]) == ("buffered", 3, "positive")
     loaded = load(str(out))
     assert loaded.coupling == "buffered" and loaded.buffer_bits == 3 and loaded.adapter_parameters() == []
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
         assert torch.allclose(remote(ids).logits, want, atol=1e-6)
+    # a directory written before `buffer_momentum` ran the negative form, and still does, in both loaders
+    del config["buffer_momentum"]
+    (out / "config.json").write_text(json.dumps(config))
+    model.buffer_momentum = "negative"
+    old, remote = load(str(out)), AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        want_old = model(ids).logits
+        assert old.buffer_momentum == "negative" and not torch.allclose(want_old, want, atol=1e-5)
+        assert torch.equal(old(ids).logits, want_old)
+        assert torch.allclose(remote(ids).logits, want_old, atol=1e-6)

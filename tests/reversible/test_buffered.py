@@ -10,6 +10,7 @@ import torch
 
 from revffn.conversion.convert import convert
 from revffn.conversion.teacher import teacher_context, teacher_layer
+from revffn.errors import UserError
 from revffn.models.loading import build_hf, config_overrides
 from revffn.reports.check import make_batch, run_check
 from revffn.reversible.buffered import RebuildError, deterministic_kernels, pack_low_bits, unpack_low_bits
@@ -52,27 +53,48 @@ def test_fp32_parity_with_the_plain_twin(model_name):
     assert r["saved_bytes_reversible"] < r["saved_bytes_plain"] / 5
 
 
-def test_the_twin_is_the_hf_decoder_layers_with_the_coupling():
-    """F + G of each block is its HF decoder layer's update: the twin equals the recurrence b' = lam a + layer(b),
-    a' = b - b' computed with the HF layers themselves; and lam -> 0 is the unconverted model."""
+@pytest.mark.parametrize("momentum, sign", [("positive", 1), ("negative", -1)])
+def test_the_twin_is_the_hf_decoder_layers_with_the_coupling(momentum, sign):
+    """F + G of each block is its HF decoder layer's update: the twin equals the recurrence v' = s lam v + D(b),
+    b' = b + v' computed with the HF layers themselves (D(b) = layer(b) - b); and lam -> 0 is the unconverted
+    model."""
     hf = _hf(layers=4)
     ids, mask, _ = make_batch(hf.config.vocab_size, 2, 16, 0)
     with torch.no_grad():
         base = hf(input_ids=ids, attention_mask=mask).logits
     gaps = {}
     for bits in (2, 8):
-        model = convert(_hf(layers=4), coupling="buffered", buffer_bits=bits).eval()
+        model = convert(_hf(layers=4), coupling="buffered", buffer_bits=bits, buffer_momentum=momentum).eval()
         with torch.no_grad():
             out = model(ids, attention_mask=mask).logits
             h, pos, sctx = teacher_context(model, ids, mask)
-            a, b = torch.zeros_like(h), h
+            v, b = torch.zeros_like(h), h
             for block in model.blocks:
-                b_new = 2.0 ** -bits * a + teacher_layer(block, b, sctx, pos)
-                a, b = b - b_new, b_new
+                v = sign * 2.0 ** -bits * v + teacher_layer(block, b, sctx, pos) - b
+                b = b + v
             ref = model.hf.lm_head(model.hf.model.norm(b))
         assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
         gaps[bits] = (out - base).abs().max().item()
     assert 0 < gaps[8] < gaps[2] / 10
+
+
+@pytest.mark.parametrize("momentum", ["positive", "negative"])
+def test_both_momenta_rebuild_bitwise_and_match_the_twins_gradients(momentum):
+    """Each sign of lam: every layer input rebuilt bitwise, and the reversible gradients the plain twin's."""
+    model, (ids, mask, labels) = _model(layers=4)
+    model.buffer_momentum = momentum
+    assert model.rebuild_errors(ids, mask) == [0.0] * 4
+    grads = {}
+    for reversible in (True, False):
+        model.reversible = reversible
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+        grads[reversible] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 10
+    for n, g in grads[False].items():
+        assert (grads[True][n] - g).abs().max() <= 1e-5 * max(g.abs().max(), 1e-6), n
+    with pytest.raises(UserError, match="buffer_momentum"):
+        convert(_hf(layers=2), coupling="buffered", buffer_momentum="sideways")
 
 
 def test_a_recompute_that_is_not_bitwise_is_refused():

@@ -37,6 +37,7 @@ def save_converted(model, out_dir: Path) -> None:
     config = RevFFNConfig(text_config={**text, "dtype": dtype}, dtype=dtype,
                           stream_dtype=dtype_name(model.stream_dtype), adapter_skip=model.adapter_skip,
                           stream_width=model.stream_width, coupling=model.coupling, buffer_bits=model.buffer_bits,
+                          buffer_momentum=model.buffer_momentum,
                           architectures=["RevFFNModelForCausalLM"])
     config.auto_map = AUTO_MAP
     config.save_pretrained(out_dir)

@@ -27,7 +27,7 @@ except ImportError:
     SubConfigSpec = None
 
 # RevFFN's, beside the base's keys in config.json
-OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width", "coupling", "buffer_bits")
+OWN_KEYS = ("stream_dtype", "adapter_skip", "stream_width", "coupling", "buffer_bits", "buffer_momentum")
 WRAPPER_KEYS = ("architectures", "auto_map")  # this model's, not the base's
 
 
@@ -42,6 +42,8 @@ class RevFFNConfig(PreTrainedConfig):
     coupling: "additive" (the adapters' coupling) or "buffered" (every decoder layer whole on fixed-point
         streams, no adapters); absent in directories written before it: "additive".
     buffer_bits: the buffered coupling's k (lam = 2^-k).
+    buffer_momentum: the buffered coupling's sign of lam, "positive" or "negative"; absent in directories written
+        before it: "negative".
     """
 
     model_type = "revffn"
@@ -56,6 +58,7 @@ class RevFFNConfig(PreTrainedConfig):
     stream_width: str = "half"
     coupling: str = "additive"
     buffer_bits: int = 6
+    buffer_momentum: str = "negative"
 
     def __post_init__(self, **kwargs):
         """`text_config` as its own config class (5.17 leaves a dict as a dict; newer ones do this too)."""

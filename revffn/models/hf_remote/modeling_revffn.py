@@ -38,7 +38,8 @@ class RevFFNModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()  # before `convert`: HF's init would redraw the projection adapters it adds
         model = convert(self.hf, stream_dtype=getattr(torch, config.stream_dtype),
                         adapter_skip=config.adapter_skip, stream_width=getattr(config, "stream_width", "half"),
-                        coupling=getattr(config, "coupling", "additive"), buffer_bits=getattr(config, "buffer_bits", 6))
+                        coupling=getattr(config, "coupling", "additive"), buffer_bits=getattr(config, "buffer_bits", 6),
+                        buffer_momentum=getattr(config, "buffer_momentum", "negative"))
         object.__setattr__(self, "revffn", model)  # not registered: its parameters are `hf`'s, under `hf.`
 
     def train(self, mode: bool = True):
