@@ -88,7 +88,7 @@ class RevFFNMethod(Method):
                         choices=COUPLINGS),
         "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
                            "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "
-                           "layer input; SmolLM2 keeps 72 of 76 probe answers at 6, 70 at 4)",
+                           "layer input; SmolLM2 keeps 72 of 76 probe answers at 6, 69 at 4; the base 74)",
                            min=min(BUFFER_BITS), max=max(BUFFER_BITS)),
         "buffer_momentum": Key(str, DEFAULT_MOMENTUM, "coupling buffered: the sign of the coupling's 2^-k. positive: "
                                "v' = 2^-k v + D(h), h' = h + v' (heavy-ball momentum; SmolLM2 -0.002 nats at 6 bits, "

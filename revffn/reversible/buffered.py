@@ -48,7 +48,7 @@ from revffn.reversible.replay import SubBlockRecord
 FRAC = 32  # fraction bits of the fixed-point streams: resolution 2^-32 (2.3e-10), range +-2^31
 LIMIT = 2.0 ** 30  # largest |value| a layer may write; beyond it the int64 streams could overflow
 BUFFER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
-# SmolLM2-135M-Instruct, no training, positive momentum: +0.003 nats and 70 of 76 probe answers at 4 bits, -0.002
+# SmolLM2-135M-Instruct, no training, positive momentum: +0.003 nats and 69 of 76 probe answers at 4 bits, -0.002
 # and 72 at 6 (the base: 74; the issue's bound, 90 % of it: 67); 6 bits a coordinate a layer are 3/8 of bf16
 # checkpoints (docs/conversion.md)
 DEFAULT_BUFFER_BITS = 6
@@ -344,7 +344,7 @@ def run_buffered_stack(blocks, h: torch.Tensor, sctx: StackContext, reversible: 
 
 def buffered_rebuild_errors(blocks, h: torch.Tensor, sctx: StackContext, bits: int,
                             sign: int = MOMENTUM_SIGNS[DEFAULT_MOMENTUM]) -> list[float]:
-    """Per block, bottom to top: max |rebuilt - forward| of its fixed-point inputs (a, b), the rebuild as the
+    """Per block, bottom to top: max |rebuilt - forward| of its fixed-point inputs (v, b), the rebuild as the
     backward runs it (choices replayed), relative to the stream scale: 0.0 wherever the recompute is bitwise."""
     inputs, records, lost = [], [], []
     with torch.no_grad():
