@@ -55,10 +55,22 @@ def saved_bytes_of_stack(model):
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes), at least the RSS now: Linux
-    raises its high-water mark lazily (when memory is unmapped), so the RSS now can be above it."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max(peak if sys.platform == "darwin" else peak * 1024, current_rss_bytes())
+    """Peak resident set size of this process so far, at least the RSS now (Linux raises its high-water mark lazily,
+    when memory is unmapped, so the RSS now can be above it).
+
+    On Linux the high-water mark of the process's own memory (`VmHWM` in /proc/self/status), not getrusage's
+    ru_maxrss: that one also holds the memory of the process that spawned this one, as it was when this one
+    started (the kernel keeps the replaced memory's peak across exec, and Python's subprocess starts a child by
+    vfork + exec), so a child of a process holding a model reported that process's size (stop 50: every row of a
+    conversion table, 8.1 GiB on the MoE). Elsewhere ru_maxrss (macOS reports bytes)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        peak = kib * 1024
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak if sys.platform == "darwin" else peak * 1024
+    return max(peak, current_rss_bytes())
 
 
 def current_rss_bytes() -> int:

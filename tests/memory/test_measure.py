@@ -1,5 +1,6 @@
 """`memory.measure`: the RSS peak the bench reports on CPU can be restarted once the model is built, as CUDA's is."""
 
+import subprocess
 import sys
 
 import pytest
@@ -22,3 +23,19 @@ def test_the_rss_peak_restarts_at_the_rss_now():
     small = torch.ones(128 * MIB // 4)
     small.add_(1)
     assert peak_rss_bytes() > after + 64 * MIB  # and what follows does
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the inherited high-water mark is Linux's")
+def test_a_child_does_not_report_the_peak_of_the_process_that_spawned_it():
+    """getrusage's ru_maxrss in a child started by subprocess holds the parent's size at the start; the peak does
+    not: a child of this process, grown by 512 MiB, reports its own few hundred MiB."""
+    big = torch.ones(512 * MIB // 4)
+    big.add_(1)
+    parent = peak_rss_bytes()
+    code = ("import resource; from revffn.memory.measure import peak_rss_bytes; "
+            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    child, inherited = int(out[0]), int(out[1])
+    del big
+    assert inherited >= parent - 64 * MIB  # what the measure used to read: the parent's size
+    assert child < parent - 384 * MIB  # what it reads now: the child's own
