@@ -91,7 +91,7 @@ def cmd_check(args) -> int:
             raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
                        stream_dtype=STREAM_DTYPES.get(args.stream_dtype, AUTO), device=args.device, hidden=args.hidden,
-                       stream_width=args.stream_width, coupling=args.coupling)
+                       stream_width=args.stream_width, coupling=args.coupling, buffer_momentum=args.buffer_momentum)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 
@@ -386,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream-width", default="full", choices=["full", "half"], help="the reversible streams' width")
     c.add_argument("--coupling", default="buffered", choices=["additive", "buffered"], help="buffered (the decoder "
                    "layers whole on fixed-point streams; revffn.coupling's default) | additive (adapters)")
+    c.add_argument("--buffer-momentum", default="positive", choices=["positive", "negative"], help="the buffered "
+                   "coupling's momentum sign (revffn.buffer_momentum)")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="where the check runs")
     c.add_argument("--json", action="store_true", help="print exactly one JSON object")
     c.set_defaults(fn=cmd_check)
@@ -503,8 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "calibrated and optionally healed; revffn.coupling)")
     k.add_argument("--buffer-bits", type=_positive, default=None, help="the buffered coupling's bits a coordinate "
                    "a layer (1-8; default: revffn.buffer_bits's, 6)")
-    k.add_argument("--buffer-momentum", default="positive", help="the buffered coupling's momentum sign: positive "
-                   "(the default) | negative (the form before stop 50; revffn.buffer_momentum)")
+    k.add_argument("--buffer-momentum", default="positive", choices=["positive", "negative"],
+                   help="the buffered coupling's momentum sign: positive (the default) | negative (the form before "
+                   "stop 50; revffn.buffer_momentum)")
     k.add_argument("--eval-data", default=None, help="where the conversion gap is measured (default: "
                    "builtin:retention_test for builtin:base, else none)")
     k.add_argument("--heal-eval-steps", type=_nonnegative, default=0, help="measure the loss on the eval set every "

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from revffn.conversion.calibrate import calibrate
 from revffn.conversion.convert import convert
 from revffn.data.calibration import SEQ_LEN, row_batches
+from revffn.memory.measure import peak_rss_bytes
 from revffn.models.loading import build_hf
 
 
@@ -49,7 +49,7 @@ def main() -> None:
               "hidden_size": hf.config.hidden_size, "calibrate_wall_s": report["wall_s"],
               "s_per_layer_per_1M_tokens": round(per_layer_per_m, 1),
               "accumulator_bytes": report["accumulator_bytes"], "kept_bytes": report["kept_bytes"],
-              "build_s": round(build_s, 1), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "build_s": round(build_s, 1), "peak_rss_bytes": peak_rss_bytes(),
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "torch": torch.__version__,
               "command": "python scripts/calibration_time.py " + " ".join(

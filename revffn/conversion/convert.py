@@ -47,7 +47,6 @@ from revffn.errors import UserError
 from revffn.reversible.buffered import (
     BUFFER_BITS,
     DEFAULT_BUFFER_BITS,
-    DEFAULT_MOMENTUM,
     MOMENTUM_SIGNS,
     buffered_rebuild_errors,
     run_buffered_stack,
@@ -456,7 +455,7 @@ class RevFFNForCausalLM(nn.Module):
                  stream_dtype: torch.dtype = torch.float32, aux_loss_coef: float | None = None,
                  chunk_tokens: int = CHUNK_TOKENS, adapter_skip: bool = False, stream_width: str = "half",
                  coupling: str = "additive", buffer_bits: int = DEFAULT_BUFFER_BITS,
-                 buffer_momentum: str = DEFAULT_MOMENTUM):
+                 buffer_momentum: str = "negative"):
         super().__init__()
         if coupling not in COUPLINGS:
             raise UserError(f"unknown coupling {coupling!r}. Fix: revffn.coupling must be one of "
@@ -698,7 +697,7 @@ def describe_streams(streams: dict) -> str:
 def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dtype: torch.dtype = torch.float32,
             aux_loss_coef: float | None = None, reversible: bool = True,
             adapter_skip: bool = False, stream_width: str = "half", coupling: str = "additive",
-            buffer_bits: int = DEFAULT_BUFFER_BITS, buffer_momentum: str = DEFAULT_MOMENTUM) -> RevFFNForCausalLM:
+            buffer_bits: int = DEFAULT_BUFFER_BITS, buffer_momentum: str = "negative") -> RevFFNForCausalLM:
     """Convert an HF MoE causal LM (in place) into a `RevFFNForCausalLM`.
 
     Args:
@@ -717,7 +716,10 @@ def convert(hf_model: nn.Module, *, adapter_init: str = "coordinate", stream_dty
         coupling: ``additive`` (the adapters' coupling above) or ``buffered`` (every decoder layer whole on
             fixed-point streams, `reversible.buffered`: no adapters; adapter_init, adapter_skip and stream_width
             do not apply), with `buffer_bits` (k: lam = 2^-k, k bits a coordinate a layer kept for the backward)
-            and `buffer_momentum` (``positive`` | ``negative``: the sign of lam, `reversible.buffered`).
+            and `buffer_momentum` (``positive`` | ``negative``: the sign of lam, `reversible.buffered`). ``negative``
+            here, for the same reason as `adapter_skip` (a directory's copied modeling file from before the key
+            calls `convert` without it); training (`revffn.buffer_momentum`), `revffn convert` and `revffn check`
+            default to ``positive`` (`DEFAULT_MOMENTUM`).
     Raises:
         UserError: unsupported architecture or odd hidden size.
     """

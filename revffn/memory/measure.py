@@ -59,10 +59,10 @@ def peak_rss_bytes() -> int:
     when memory is unmapped, so the RSS now can be above it).
 
     On Linux the high-water mark of the process's own memory (`VmHWM` in /proc/self/status), not getrusage's
-    ru_maxrss: that one also holds the memory of the process that spawned this one, as it was when this one
-    started (the kernel keeps the replaced memory's peak across exec, and Python's subprocess starts a child by
-    vfork + exec), so a child of a process holding a model reported that process's size (stop 50: every row of a
-    conversion table, 8.1 GiB on the MoE). Elsewhere ru_maxrss (macOS reports bytes)."""
+    ru_maxrss: at exec the kernel keeps the peak of the memory the process had before, which for a child started
+    by fork (or vfork) + exec, as Python's subprocess starts one, is its parent's, so a child of a process holding a
+    model reported that process's size (stop 50: every row of a conversion table, 8.1 GiB on the MoE). Elsewhere
+    ru_maxrss (macOS reports bytes)."""
     try:
         with open("/proc/self/status") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

@@ -200,9 +200,9 @@ class RevFFNMethod(Method):
         from revffn.models.loading import converted_option, is_converted
 
         if is_converted(cfg.model):  # trained as it is: its structure is what it was converted with
-            for name in ("coupling", "adapter_skip", "stream_width"):
-                if name != "coupling" and opts["coupling"] == "buffered":
-                    continue
+            structure = ("buffer_bits", "buffer_momentum") if opts["coupling"] == "buffered" else \
+                ("adapter_skip", "stream_width")
+            for name in ("coupling", *structure):
                 held, asked = converted_option(cfg.model, name), opts[name]
                 if held != asked:
                     show = (lambda v: str(v).lower()) if name == "adapter_skip" else str

@@ -26,7 +26,7 @@ import torch
 
 from revffn.conversion.convert import AUTO, convert, describe_streams, pick_stream_dtype
 from revffn.memory.measure import saved_bytes_of_stack
-from revffn.reversible.buffered import deterministic_kernels
+from revffn.reversible.buffered import DEFAULT_MOMENTUM, deterministic_kernels
 
 TOL = {"max_rel_grad_error": 1e-5, "max_reconstruction_error": 1e-4, "err_ratio_vs_fp32": 1.25}
 # fp32 streams of a real model: activations in the hundreds (SmolLM2's massive activations) round by more
@@ -100,12 +100,12 @@ def _flat(grads: dict, names) -> torch.Tensor:
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
               seq: int = 32, seed: int = 0, adapter_init: str = "coordinate",
               stream_dtype: torch.dtype | str = torch.float32, device: str = "cpu", hidden: int | None = None,
-              stream_width: str = "full", coupling: str = "additive") -> dict:
+              stream_width: str = "full", coupling: str = "additive", buffer_momentum: str = DEFAULT_MOMENTUM) -> dict:
     """Run the consistency check; returns the report dict (see module docstring).
 
     `stream_dtype` "auto": what training picks (`pick_stream_dtype`, on the converted model), reported under
     "streams". `coupling` buffered: the decoder layers whole on fixed-point streams (no adapters; `adapter_init`,
-    `stream_width` and `stream_dtype` do not apply).
+    `stream_width` and `stream_dtype` do not apply), with `buffer_momentum` (positive | negative).
 
     `model` may also be a config-only preset (`qwen1.5-moe-a2.7b`, ...): random init at that geometry;
     `hidden` scales its widths (as `revffn bench --hidden`). `device`: cpu | cuda | auto."""
@@ -131,7 +131,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
     conv = convert(copy.deepcopy(hf32).to(torch.bfloat16 if low else torch.float32), adapter_init=adapter_init,
                    stream_dtype=torch.float32 if auto else stream_dtype,
                    adapter_skip=True,  # the trained default: the skips' grads too
-                   stream_width=stream_width, coupling=coupling)
+                   stream_width=stream_width, coupling=coupling, buffer_momentum=buffer_momentum)
     streams = pick_stream_dtype(conv) if auto and coupling == "additive" else None
     stream_dtype = conv.stream_dtype
     conv.train()

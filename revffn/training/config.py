@@ -148,7 +148,11 @@ MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value t
     "revffn.stream_width": "half",
     "revffn.heal_norms": False,
     "revffn.heal_hidden_coef": 0.0,
+    "revffn.coupling": "additive",
+    # or a function of the checkpoint's config: the value, or NOT_READ where that run did not read the key
+    "revffn.buffer_momentum": lambda saved: "negative" if saved.get("revffn.coupling") == "buffered" else NOT_READ,
 }
+NOT_READ = object()
 
 
 def math_config(cfg: TrainConfig, weights_dtype) -> dict:

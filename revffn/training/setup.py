@@ -28,7 +28,7 @@ from revffn.methods import method_class
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
-from revffn.training.config import MATH_KEYS_ADDED, math_config
+from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config
 from revffn.training.manifest import MANIFEST, read_manifest, verify_checkpoint
 from revffn.training.optim import check_optimizer
 from revffn.training.parallel import launched_world, pick_distributed
@@ -124,8 +124,11 @@ def check_resume_config(cfg, ckpt: Path, weights_dtype: torch.dtype) -> None:
     """Refuses a resume whose config differs from the checkpoint's in a key that changes the math
     (`config.RESUME_MAY_CHANGE` lists those that may change)."""
     saved = read_manifest(ckpt)["config"]
-    older = {k: v for k, v in MATH_KEYS_ADDED.items() if k.split(".")[0] == saved.get("method")}
-    saved = {**older, **saved}  # a checkpoint written before a key existed was trained with its old value
+    older = {k: v for k, v in MATH_KEYS_ADDED.items() if k.split(".")[0] == saved.get("method") and k not in saved}
+    saved = {**saved, **{k: v for k, v in older.items() if not callable(v)}}  # a checkpoint written before a key
+    # existed was trained with its old value
+    older = {k: v(saved) for k, v in older.items() if callable(v)}
+    saved.update({k: v for k, v in older.items() if v is not NOT_READ})
     now = json.loads(json.dumps(math_config(cfg, weights_dtype)))  # as the manifest holds it
     changed = [k for k in saved if k in now and saved[k] != now[k]]
     if changed:

@@ -32,10 +32,7 @@ def test_a_child_does_not_report_the_peak_of_the_process_that_spawned_it():
     big = torch.ones(512 * MIB // 4)
     big.add_(1)
     parent = peak_rss_bytes()
-    code = ("import resource; from revffn.memory.measure import peak_rss_bytes; "
-            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    child, inherited = int(out[0]), int(out[1])
+    code = "from revffn.memory.measure import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     del big
-    assert inherited >= parent - 64 * MIB  # what the measure used to read: the parent's size
-    assert child < parent - 384 * MIB  # what it reads now: the child's own
+    assert child < parent - 384 * MIB  # ru_maxrss read the parent's size here (Linux 6.x, Python 3.11)

@@ -13,7 +13,13 @@ from revffn.conversion.teacher import teacher_context, teacher_layer
 from revffn.errors import UserError
 from revffn.models.loading import build_hf, config_overrides
 from revffn.reports.check import make_batch, run_check
-from revffn.reversible.buffered import RebuildError, deterministic_kernels, pack_low_bits, unpack_low_bits
+from revffn.reversible.buffered import (
+    DEFAULT_MOMENTUM,
+    RebuildError,
+    deterministic_kernels,
+    pack_low_bits,
+    unpack_low_bits,
+)
 from tests.conftest import GENERIC, REQUIRED
 
 
@@ -24,7 +30,8 @@ def _hf(name: str = "tiny-qwen2-moe", layers: int = 6):
 
 def _model(name: str = "tiny-qwen2-moe", layers: int = 6, bits: int = 4):
     hf = _hf(name, layers)
-    return convert(hf, coupling="buffered", buffer_bits=bits).train(), make_batch(hf.config.vocab_size, 2, 32, 0)
+    model = convert(hf, coupling="buffered", buffer_bits=bits, buffer_momentum=DEFAULT_MOMENTUM).train()
+    return model, make_batch(hf.config.vocab_size, 2, 32, 0)
 
 
 @pytest.mark.parametrize("bits", [1, 3, 4, 8])

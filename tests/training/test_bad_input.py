@@ -12,7 +12,7 @@ from revffn import cli
 from revffn.training.config import QUICKSTART
 from revffn.training.manifest import config_sha256
 from revffn.training.setup import RUN_MARKER
-from tests.training._util import TINY, files_state, flip_byte
+from tests.training._util import TINY, files_state, flip_byte, train_tiny
 
 
 def _cfg(tmp_path: Path, **over) -> Path:
@@ -192,6 +192,32 @@ def test_resume_of_a_checkpoint_from_before_the_skip_adapters(capsys, trained_ru
     _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "the config says revffn.adapter_skip=True",
                   "was trained with revffn.adapter_skip=False", "Fix: resume with the checkpoint's value "
                   "revffn.adapter_skip=false", damage=drop_key)
+
+
+def _drop_keys(*keys):
+    def drop(checkpoints):
+        for manifest in checkpoints.glob("step-*/manifest.json"):
+            m = json.loads(manifest.read_text())
+            for key in keys:
+                del m["config"][key]
+            m["config_sha256"] = config_sha256(m["config"])
+            manifest.write_text(json.dumps(m))
+    return drop
+
+
+def test_resume_of_a_buffered_checkpoint_from_before_the_momentum_sign(capsys, tmp_path):
+    """A buffered run from before `revffn.buffer_momentum` ran the negative form: resuming it with the default
+    (positive) is refused, naming the value to resume with; an additive run, which never read the key, resumes."""
+    trained = train_tiny(tmp_path / "buffered", "revffn.coupling=buffered")
+    _drop_keys("revffn.buffer_momentum")(trained / "checkpoints")
+    before = files_state(trained)
+    _fails(capsys, ["train", str(QUICKSTART), *TINY, "revffn.coupling=buffered", f"output_dir={trained}",
+                    "resume=true"], "the config says revffn.buffer_momentum='positive'",
+           "was trained with revffn.buffer_momentum='negative'", "revffn.buffer_momentum=negative")
+    assert files_state(trained) == before
+    additive = train_tiny(tmp_path / "additive")
+    _drop_keys("revffn.buffer_momentum", "revffn.coupling")(additive / "checkpoints")
+    assert cli.main(["train", str(QUICKSTART), *TINY, f"output_dir={additive}", "resume=true", "max_steps=3"]) == 0
 
 
 def test_resume_path_of_another_models_checkpoint(capsys, trained_run, tmp_path):
