@@ -125,6 +125,10 @@ def test_goal_check_reports_shortfalls():
     (line,) = goal_check(data)
     assert "RevFFN < LoRA (50.0 vs 60.0) ✗" in line and "RevFFN ≥ DoRA (50.0 vs 40.0) ✓" in line
     assert "within 2 points of full: -30.0 ✗" in line and "+0.300 vs +0.100 ✗" in line
+    alone = StudyPlan(methods=("revffn",), tasks=("gsm",))
+    data = {"plan": {"tasks": ["gsm"]}, "summary": summarize(alone, runs[1:2], chosen, base_loss=2.0)}
+    assert goal_check(data) == ["- **gsm**: no full, LoRA or DoRA row in this study to check RevFFN against "
+                                "(`--methods`)"]
 
 
 def test_markdown_renders_from_json_alone(tmp_path):

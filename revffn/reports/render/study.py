@@ -55,7 +55,8 @@ def goal_check(data: dict) -> list[str]:
             a, b = (rev.get("probe_accuracy") or {}).get("mean"), (full.get("probe_accuracy") or {}).get("mean")
             if a is not None and b is not None:
                 parts.append(f"probes kept ≥ full's: {100 * a:.1f} vs {100 * b:.1f} % {'✓' if a >= b else '✗'}")
-        lines.append(f"- **{task}**: " + "; ".join(parts))
+        lines.append(f"- **{task}**: " + ("; ".join(parts) or "no full, LoRA or DoRA row in this study to check "
+                                                           "RevFFN against (`--methods`)"))
     return lines
 
 
