@@ -83,8 +83,8 @@ class RevFFNMethod(Method):
                         "calibration, no stage 1, the pretrained model within 0.003 nats (SmolLM2); additive: Y_1 = "
                         "X_1 + F(X_2), Y_2 = X_2 + G(Y_1), the pretrained attention and MoE between calibrated "
                         "adapters, a heal (stage 1) then stage 2, activation memory flat in depth (SmolLM2: +1.8 "
-                        "nats calibrated; docs/conversion.md); the "
-                        "options below from adapter_warmup_steps to fold_adapters are the additive coupling's",
+                        "nats calibrated; docs/conversion.md); the options below from adapter_warmup_steps to "
+                        "fold_adapters are the additive coupling's",
                         choices=COUPLINGS),
         "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
                            "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "

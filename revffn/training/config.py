@@ -142,6 +142,7 @@ TrainConfig.__doc__ = """A validated training config, built once by `load_config
 A changed copy is `cfg.replace(key=value)`."""
 
 
+NOT_READ = object()  # a MATH_KEYS_ADDED function's answer for a run that did not read the key
 MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value those checkpoints were trained with
     "revffn.adapter_skip": False,
     "revffn.adapter_warmup_ratio": None,
@@ -152,7 +153,6 @@ MATH_KEYS_ADDED = {  # a math key added after checkpoints existed -> the value t
     # or a function of the checkpoint's config: the value, or NOT_READ where that run did not read the key
     "revffn.buffer_momentum": lambda saved: "negative" if saved.get("revffn.coupling") == "buffered" else NOT_READ,
 }
-NOT_READ = object()
 
 
 def math_config(cfg: TrainConfig, weights_dtype) -> dict:

@@ -124,11 +124,13 @@ def check_resume_config(cfg, ckpt: Path, weights_dtype: torch.dtype) -> None:
     """Refuses a resume whose config differs from the checkpoint's in a key that changes the math
     (`config.RESUME_MAY_CHANGE` lists those that may change)."""
     saved = read_manifest(ckpt)["config"]
-    older = {k: v for k, v in MATH_KEYS_ADDED.items() if k.split(".")[0] == saved.get("method") and k not in saved}
-    saved = {**saved, **{k: v for k, v in older.items() if not callable(v)}}  # a checkpoint written before a key
-    # existed was trained with its old value
-    older = {k: v(saved) for k, v in older.items() if callable(v)}
-    saved.update({k: v for k, v in older.items() if v is not NOT_READ})
+    # a checkpoint written before a key existed was trained with its old value (a function of its config: after
+    # the plain values, which it may read)
+    added = {k: v for k, v in MATH_KEYS_ADDED.items() if k.split(".")[0] == saved.get("method") and k not in saved}
+    saved = {**saved, **{k: v for k, v in added.items() if not callable(v)}}
+    for key, old in added.items():
+        if callable(old) and (value := old(saved)) is not NOT_READ:
+            saved[key] = value
     now = json.loads(json.dumps(math_config(cfg, weights_dtype)))  # as the manifest holds it
     changed = [k for k in saved if k in now and saved[k] != now[k]]
     if changed:
