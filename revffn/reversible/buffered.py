@@ -71,13 +71,16 @@ class RebuildError(RuntimeError):
     """The stack's inputs did not come back bitwise: a recomputed layer differed from its forward."""
 
 
-def to_fixed(x: torch.Tensor) -> torch.Tensor:
+def to_fixed(x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     """x on the fixed-point grid (round to nearest): computed in x's own dtype when that is float32, bfloat16 or
     float64, whose scaling by 2^FRAC is exact below `LIMIT` and whose rounding to an integer is exact, so the result
-    is the float64 computation's bitwise at a third of its traffic; float16 (max 65504) goes through float32."""
+    is the float64 computation's bitwise at a third of its traffic; float16 (max 65504) goes through float32.
+    `scratch`: x is a temporary the caller drops, scaled and rounded in place (one allocation, the int64 result,
+    rather than three: on CPU each large block is a fresh mapping, `reports.bench.ALLOC_ENV`)."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        x = x.float()
-    return torch.round(x * 2.0 ** FRAC).to(torch.int64)
+        x, scratch = x.float(), True
+    x = x.mul_(2.0 ** FRAC) if scratch else x * 2.0 ** FRAC
+    return x.round_().to(torch.int64)
 
 
 def from_fixed(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +98,7 @@ def stream_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The fixed-point stream x as the layer reads it, in `compute_dtype` `dtype`: one rounding of the exact value
     (the int64 -> float cast rounds once, the scaling by 2^-FRAC is exact), which is the float64 twin's value cast
     to `dtype` wherever float64 holds the grid exactly (below 2^21)."""
-    return x.to(dtype) * 2.0 ** -FRAC
+    return x.to(dtype).mul_(2.0 ** -FRAC)  # x is int64: `to` copies, the scaling is in place
 
 
 def snap(x: torch.Tensor, floor: bool = False) -> torch.Tensor:
@@ -112,16 +115,21 @@ _PLANES = 8  # a packed byte holds one bit of 8 coordinates, one from each eight
 def pack_low_bits(a: torch.Tensor, bits: int) -> torch.Tensor:
     """The `bits` low bits of every element of int64 `a`, as `bits` planes of ceil(numel / 8) bytes: byte i of plane
     j holds bit j of the elements i, i + n/8, ..., i + 7n/8 (n rounded up to a multiple of 8), so packing is a few
-    passes over contiguous eighths rather than a reduction over groups of 8."""
-    low = a.reshape(-1).to(torch.uint8) & ((1 << bits) - 1)  # the cast to uint8 keeps the low 8 bits (mod 2^8)
+    passes over contiguous eighths rather than a reduction over groups of 8. Three allocations (the low bytes, the
+    planes, one scratch), the rest in place."""
+    low = a.reshape(-1).to(torch.uint8)  # the cast keeps the low 8 bits (mod 2^8)
     pad = (-low.numel()) % _PLANES
     if pad:
         low = torch.cat([low, low.new_zeros(pad)])
     eighths = low.view(_PLANES, -1)
     shifts = torch.arange(bits, device=a.device, dtype=torch.uint8)[:, None]
-    packed = (eighths[0] >> shifts) & 1  # (bits, n / 8): plane j, bit j of the first eighth
-    for i in range(1, _PLANES):
-        packed |= ((eighths[i] >> shifts) & 1) << i
+    packed = torch.empty(bits, eighths.shape[1], dtype=torch.uint8, device=a.device)
+    bit = torch.empty_like(packed)
+    for i in range(_PLANES):  # plane j |= bit j of eighth i, at bit position i
+        torch.bitwise_right_shift(eighths[i].expand_as(packed), shifts, out=bit if i else packed)
+        (bit if i else packed).bitwise_and_(1)
+        if i:
+            packed.bitwise_or_(bit.bitwise_left_shift_(i))
     return packed
 
 
@@ -129,8 +137,10 @@ def unpack_low_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The low bits `pack_low_bits` kept, as a uint8 tensor of `shape` (one byte a coordinate, not eight)."""
     shifts = torch.arange(len(packed), device=packed.device, dtype=torch.uint8)[:, None]
     out = torch.empty(_PLANES, packed.shape[1], dtype=torch.uint8, device=packed.device)
-    for i in range(_PLANES):
-        torch.sum(((packed >> i) & 1) << shifts, dim=0, dtype=torch.uint8, out=out[i])  # disjoint bits: sum = or
+    bit = torch.empty_like(packed)
+    for i in range(_PLANES):  # eighth i: bit j of it from plane j's bit i
+        torch.bitwise_right_shift(packed, i, out=bit)
+        torch.sum(bit.bitwise_and_(1).bitwise_left_shift_(shifts), dim=0, dtype=torch.uint8, out=out[i])
     return out.view(-1)[: shape.numel()].view(shape)
 
 
@@ -182,7 +192,7 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
         if rows is None:
             d = f + g
         else:
-            d[rows] = f + g
+            torch.add(f, g, out=d[rows])
         if records is not None:
             records.append(recs)
     if sctx.aux is not None and logits and logits[0] is not None:
@@ -227,7 +237,7 @@ def invert_layer(block, v: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
                 if grad is not None:
                     g_b[at] += grad
         rebuilt = v[at]  # a view: the three steps in place
-        rebuilt.sub_(to_fixed(d.detach())).bitwise_left_shift_(bits).add_(low[at])
+        rebuilt.sub_(to_fixed(d.detach(), scratch=True)).bitwise_left_shift_(bits).add_(low[at])
     if sign < 0:
         v.neg_()
     if len(spans) > 1:
@@ -245,10 +255,16 @@ def _lose_bits(v: torch.Tensor, bits: int, sign: int) -> torch.Tensor:
     return pack_low_bits(v, bits)
 
 
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float64 scalar (NaN if any is), without the temporary of x.abs()."""
+    lo, hi = x.aminmax()
+    return torch.maximum(-lo.to(torch.float64), hi.to(torch.float64))
+
+
 def _step(sv: torch.Tensor, b: torch.Tensor, d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's output streams (v', b') from s v (`_lose_bits`), its input b and update d, in place:
-    v' = (s v >> bits) + d, b' = b + v'."""
-    v_new = sv.bitwise_right_shift_(bits).add_(to_fixed(d))
+    """The layer's output streams (v', b') from s v (`_lose_bits`), its input b and update d, in place (d used
+    up): v' = (s v >> bits) + d, b' = b + v'."""
+    v_new = sv.bitwise_right_shift_(bits).add_(to_fixed(d, scratch=True))
     return v_new, b.add_(v_new)
 
 
@@ -269,9 +285,9 @@ class BufferedStackFunction(torch.autograd.Function):
                 lost.append(_lose_bits(v, bits, sign))
                 records.append([])
                 d = layer_update(block, stream_values(b, cdt), sctx.for_layer(block.position_key), records[-1])
-                worst = torch.maximum(worst, d.abs().amax())
+                worst = torch.maximum(worst, _largest(d))
                 v, b = _step(v, b, d, bits)
-            worst = torch.maximum(worst, from_fixed(b).abs().amax())
+            worst = torch.maximum(worst, _largest(b) * 2.0 ** -FRAC)
             aux = sctx.aux.value() if sctx.aux is not None else h.new_zeros(())
         ctx.shape, ctx.h_dtype, ctx.device = h.shape, h.dtype, h.device
         ctx.diverged = not worst.item() < LIMIT  # one sync a forward; NaN and inf included
