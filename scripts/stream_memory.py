@@ -1,6 +1,7 @@
 """Host memory of a run against the size of its data, streamed (`streaming: true`) and loaded whole: one fresh
-`revffn train` process per row count and mode, its peak RSS from the kernel (`os.wait4`), the same tiny model
-and steps for every row.
+`revffn train` process per row count and mode, its own peak RSS (`revffn.memory.measure.peak_rss_bytes`, written
+at exit: not `os.wait4`'s ru_maxrss, which starts from the parent's size), the same tiny model and steps for every
+row.
 
     python scripts/stream_memory.py --rows 20000,200000,2000000 --whole-up-to 200000 --out docs/streaming.json
 
@@ -35,19 +36,25 @@ def write_parquet(path: Path, n: int) -> None:
     datasets.Dataset.from_generator(rows).to_parquet(str(path), batch_size=ROW_GROUP)
 
 
+# `revffn train` ARGS in this process, its peak RSS written at exit to the file named first
+PEAK_AT_EXIT = ("import atexit, pathlib, sys; from revffn.cli import main; from revffn.memory.measure import "
+                "peak_rss_bytes; out = pathlib.Path(sys.argv.pop(1)); "
+                "atexit.register(lambda: out.write_text(str(peak_rss_bytes()))); raise SystemExit(main(sys.argv[1:]))")
+
+
 def train(data: Path, out: Path, streaming: bool, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "revffn", "train", "model=tiny-qwen2-moe", f"data={data}", "eval_data=null",
-           f"output_dir={out}", f"max_steps={steps}", "save_steps=0", "logging_steps=5", "max_seq_length=64",
-           "per_device_train_batch_size=8", "dtype=float32", "device=cpu", f"streaming={str(streaming).lower()}",
-           "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=0"]
+    peak = out.with_name(out.name + ".peak")
+    cmd = [sys.executable, "-c", PEAK_AT_EXIT, str(peak), "train", "model=tiny-qwen2-moe", f"data={data}",
+           "eval_data=null", f"output_dir={out}", f"max_steps={steps}", "save_steps=0", "logging_steps=5",
+           "max_seq_length=64", "per_device_train_batch_size=8", "dtype=float32", "device=cpu",
+           f"streaming={str(streaming).lower()}", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=0"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _, status, usage = os.wait4(proc.pid, 0)
-    err = proc.stderr.read()
-    if status != 0:
+    err = proc.communicate()[1]
+    if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
-    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {"peak_rss_bytes": int(peak.read_text()), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main() -> None:

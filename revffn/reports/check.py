@@ -156,6 +156,7 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
         "dtype": "bfloat16" if low else "float32", "batch": batch, "seq": seq, "seed": seed,
         "adapter_init": adapter_init, "stream_dtype": str(stream_dtype).removeprefix("torch."),
         "stream_width": stream_width, "coupling": coupling, **({"streams": streams} if streams else {}),
+        **({"buffer_momentum": buffer_momentum} if coupling == "buffered" else {}),
         "loss_unconverted": loss_unconverted, "loss_converted": loss_converted,
         "conversion_gap": loss_converted - loss_unconverted,
         "loss_reversible": loss_rev, "loss_plain": loss_plain,

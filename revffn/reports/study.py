@@ -334,12 +334,17 @@ def gap_plan(plan: StudyPlan, out: Path, grid: list[dict], chosen: dict) -> tupl
 
 def gap_rows(names: dict, runs: list[dict], base_loss: float | None) -> list[dict]:
     """One row per conversion-gap variant that ran: the variant's options and its retention losses."""
+    from revffn.reversible.buffered import DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM
+
     by_name = {r["name"]: r for r in runs if r["status"] == "ok"}
     rows = []
     for (method, _, label), name in names.items():
         r = by_name.get(name)
         if r is not None:
-            rows.append({"method": method, "variant": label, **r["job"]["options"], "task": r["job"]["task"],
+            options = dict(r["job"]["options"])
+            if options.get("coupling") == "buffered":  # the defaults it ran with, which a later version may change
+                options = {"buffer_bits": DEFAULT_BUFFER_BITS, "buffer_momentum": DEFAULT_MOMENTUM, **options}
+            rows.append({"method": method, "variant": label, **options, "task": r["job"]["task"],
                          "lr": r["job"]["lr"], "base": base_loss, "converted_init": r.get("converted_retention_loss"),
                          "after_stage1": r["stage1_retention_loss"], "after_schedule": r["retention_loss"],
                          "converted_probes": r.get("converted_probe_accuracy"), "probes_after": r.get("probe_accuracy"),

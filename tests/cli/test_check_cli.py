@@ -53,3 +53,18 @@ def test_check_bad_input_exit_2(tmp_path, capsys):
     assert cli.main(["check", "--model", "tiny-nope"]) == 2
     assert cli.main(["check", "--dtype", "float16"]) == 2
     assert "bfloat16" in capsys.readouterr().err
+
+
+def test_check_buffer_momentum_reaches_the_model(capsys):
+    """`--buffer-momentum` picks the buffered coupling's sign: both pass, the report names it, and the two convert
+    to different models (the 2^-k velocity term flips)."""
+    reports = {}
+    for sign in ("positive", "negative"):
+        assert cli.main(["check", "--model", "tiny-qwen2-moe", "--layers", "2", "--coupling", "buffered",
+                         "--buffer-momentum", sign, "--json"]) == 0
+        reports[sign] = json.loads(capsys.readouterr().out)
+        assert reports[sign]["buffer_momentum"] == sign and reports[sign]["passed"] is True
+    assert reports["positive"]["loss_converted"] != reports["negative"]["loss_converted"]
+    with pytest.raises(SystemExit) as bad:  # argparse's choices: one usage line, exit 2
+        cli.main(["check", "--buffer-momentum", "sideways"])
+    assert bad.value.code == 2 and "positive" in capsys.readouterr().err

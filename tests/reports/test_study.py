@@ -339,3 +339,30 @@ def test_both_distillation_teachers_run_as_gap_variants_and_render_with_their_me
     last = len(jobs) - 1
     assert f"| 1 (cached) | 2.0000 | 2.3000 | 2.1000 | 2.0000 | 50.0 | {200 + last} | {50 + last} |" in md
     assert "| 1 (copy) |" in md and "| peak mem MiB | tokens/s |" in md
+
+
+def test_buffered_gap_rows_carry_the_bits_and_momentum_they_ran_with(tmp_path):
+    """A buffered row records its bit count and momentum sign, defaults resolved at study time (a later default
+    does not relabel it), and the table shows them; a row from before the keys renders without the sign."""
+    from revffn.reversible.buffered import DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM
+
+    names, runs = {}, []
+    for label, options in (("default", {"coupling": "buffered"}),
+                           ("negative", {"coupling": "buffered", "buffer_momentum": "negative", "buffer_bits": 4})):
+        name = f"revffn-gsm-{label}"
+        names[("revffn", "gsm", label)] = name
+        runs.append({**_run("revffn", "gsm", 0, 1e-4), "name": name, "stage1_retention_loss": 2.1,
+                     "job": {"task": "gsm", "lr": 1e-4, "options": options}})
+    gap = study.gap_rows(names, runs, 2.0)
+    assert [(g["buffer_bits"], g["buffer_momentum"]) for g in gap] == [(DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM),
+                                                                       (4, "negative")]
+    plan = StudyPlan(methods=("revffn",), tasks=("gsm",), seeds=(0,))
+    data = {"command": "revffn study --out x", "plan": json.loads(json.dumps(asdict(plan))), "wall_s": 60,
+            "threads": 2, "git_commit": None, "started": "now", "base_retention_loss": 2.0,
+            "chosen_lr": {"revffn/gsm": 1e-4}, "summary": summarize(plan, runs[:1], {"revffn/gsm": 1e-4}, 2.0),
+            "conversion_gap": [*gap, {**gap[1], "variant": "old"}], "runs": runs}
+    del data["conversion_gap"][2]["buffer_momentum"]
+    md = study_markdown(data)
+    assert f"| default | none (buffered, {DEFAULT_BUFFER_BITS} bits, {DEFAULT_MOMENTUM} momentum) |" in md
+    assert "| negative | none (buffered, 4 bits, negative momentum) |" in md
+    assert "| old | none (buffered, 4 bits) |" in md

@@ -132,7 +132,9 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
     for g in data["conversion_gap"]:
         buffered = g.get("coupling", "additive") == "buffered"  # (pages from before the key: additive)
         stage1 = "none" if buffered else f"{g['adapter_warmup_steps']} steps on {g.get('heal_data', 'self')}"
-        init = f"none (buffered, {g.get('buffer_bits', 6)} bits)" if buffered else g.get("adapter_init", "calibrated")
+        momentum = f", {g['buffer_momentum']} momentum" if "buffer_momentum" in g else ""  # (not in older pages)
+        init = (f"none (buffered, {g.get('buffer_bits', 6)} bits{momentum})" if buffered
+                else g.get("adapter_init", "calibrated"))
         distill = f"{g.get('distill_coef', 0):g}" + (f" ({g.get('distill_teacher', 'copy')})"
                                                     if g.get("distill_coef") else "")
         lines.append(f"| {g['task']} | {g['variant']} | {init} | {stage1} | "
