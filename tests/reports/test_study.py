@@ -351,8 +351,8 @@ def test_buffered_gap_rows_carry_the_bits_and_momentum_they_ran_with(tmp_path):
                            ("negative", {"coupling": "buffered", "buffer_momentum": "negative", "buffer_bits": 4})):
         name = f"revffn-gsm-{label}"
         names[("revffn", "gsm", label)] = name
-        runs.append({**_run("revffn", "gsm", 0, 1e-4), "name": name, "stage1_retention_loss": 2.1,
-                     "job": {"task": "gsm", "lr": 1e-4, "options": options}})
+        run = _run("revffn", "gsm", 0, 1e-4)
+        runs.append({**run, "name": name, "stage1_retention_loss": 2.1, "job": {**run["job"], "options": options}})
     gap = study.gap_rows(names, runs, 2.0)
     assert [(g["buffer_bits"], g["buffer_momentum"]) for g in gap] == [(DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM),
                                                                        (4, "negative")]
