@@ -191,8 +191,8 @@ def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | Non
             logits.append(block.router_tap.take())
         if rows is None:
             d = f + g
-        else:
-            torch.add(f, g, out=d[rows])
+        else:  # (not `out=`: the plain twin runs this under autograd)
+            d[rows] = f + g
         if records is not None:
             records.append(recs)
     if sctx.aux is not None and logits and logits[0] is not None:

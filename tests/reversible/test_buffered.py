@@ -146,6 +146,22 @@ def test_the_backward_recomputes_a_layer_by_chunks_of_whole_sequences():
         assert torch.allclose(grads[64][n], g, rtol=1e-5, atol=1e-8), n
 
 
+def test_the_plain_twin_runs_chunked_under_autograd():
+    """The twin (reversible=False: eval with grad, parity references) computes a layer's update by the same chunks,
+    and its gradients are the reversible backward's (stop 51's `out=` write of a chunk broke its autograd)."""
+    grads = {}
+    for reversible in (True, False):
+        hf = _hf(layers=3)
+        model = convert(hf, coupling="buffered").train()
+        model.recompute_chunk_tokens, model.reversible = 64, reversible
+        ids, mask, labels = make_batch(hf.config.vocab_size, 4, 32, 0)
+        model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+        grads[reversible] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys()
+    for n, g in grads[False].items():
+        assert torch.allclose(grads[True][n], g, rtol=1e-5, atol=1e-8), n
+
+
 def test_a_layer_beyond_the_fixed_point_range_gives_a_nan_loss_not_garbage():
     """Past |x| = 2^30 (or NaN) the int64 streams would wrap: the stack's output is NaN, so the loss is, and the
     training loop stops as on any diverged run (tests/training/test_resume.py's NaN run)."""
