@@ -43,7 +43,8 @@ def saved_bytes_of_stack(model):
 
     Yields the log; after the forward, `log.bytes(model.last_stack_stats.get("record_storages"))`
     gives the activation bytes without the records (choice indices and RNG states; their sizes are
-    `last_stack_stats["record_bytes"]` and `["rng_bytes"]`).
+    `last_stack_stats["record_bytes"]` and `["rng_bytes"]`), plus `last_stack_stats["held_bytes"]`: what the stack
+    keeps for its backward outside saved tensors (the buffered coupling's bit buffers, freed layer by layer).
     """
     log = SavedTensorLog(model.parameters())
     previous = model.debug.stack_scope

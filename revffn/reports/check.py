@@ -60,7 +60,8 @@ def _step(model, ids, mask, labels, reversible: bool, probe_store: dict | None, 
     with saved_bytes_of_stack(model) as log:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=False, probe=probe)
     stats = model.last_stack_stats
-    saved = log.bytes(stats.get("record_storages", set()))  # routing and RNG records apart
+    # routing and RNG records apart; with what the stack holds outside saved tensors (the buffered coupling's bits)
+    saved = log.bytes(stats.get("record_storages", set())) + stats.get("held_bytes", 0)
     records = {"routing": stats.get("record_bytes", 0), "rng": stats.get("rng_bytes", 0)}
     out.loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}

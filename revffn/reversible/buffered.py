@@ -298,14 +298,18 @@ class BufferedStackFunction(torch.autograd.Function):
         ctx.blocks, ctx.bits, ctx.sign = blocks, bits, sign
         ctx.layout = [[[r.layout() for r in pair] for pair in spans] for spans in records]
         ctx.sctx = sctx.with_tensors([None] * len(sctx.tensors()))
-        ctx.n_ctx, ctx.n_lost = len(sctx.tensors()), len(lost)
+        ctx.n_ctx = len(sctx.tensors())
+        # the dropped bits are held by the node itself, not saved: the backward frees each layer's as it rebuilds
+        # that layer (save_for_backward would keep them all to the end of the stack's backward, where the step's
+        # peak is). Saved-tensor hooks do not see them: `held_bytes` counts them for the measurements.
+        ctx.lost = lost
         choices = [t for r in flat for t in r.choices]
         rng = [t for r in flat if r.rng is not None for t in r.rng.tensors()]
         sctx.stats["record_bytes"] = sum(t.numel() * t.element_size() for t in choices)
         sctx.stats["rng_bytes"] = sum(t.numel() * t.element_size() for t in rng)
-        sctx.stats["buffer_bytes"] = sum(t.numel() for t in lost)
+        sctx.stats["buffer_bytes"] = sctx.stats["held_bytes"] = sum(t.numel() for t in lost)
         sctx.stats["record_storages"] = {t.untyped_storage().data_ptr() for t in choices + rng}  # (the buffer counts)
-        ctx.save_for_backward(v, b, *lost, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
+        ctx.save_for_backward(v, b, *sctx.tensors(), *(t for r in flat for t in r.tensors()))
         ctx.set_materialize_grads(False)
         return from_fixed(b).to(h.dtype), aux
 
@@ -314,7 +318,7 @@ class BufferedStackFunction(torch.autograd.Function):
         if ctx.diverged:
             return torch.full(ctx.shape, float("nan"), dtype=ctx.h_dtype, device=ctx.device), *[None] * 5
         v, b, *rest = ctx.saved_tensors
-        lost, rest = rest[: ctx.n_lost], rest[ctx.n_lost :]
+        lost, ctx.lost = ctx.lost, None  # (popped layer by layer below: each freed once its layer is rebuilt)
         sctx = ctx.sctx.with_tensors(rest[: ctx.n_ctx])
         saved = iter(rest[ctx.n_ctx :])
         per_block = [[[SubBlockRecord.from_layout(x, saved) for x in pair] for pair in spans] for spans in ctx.layout]
@@ -323,7 +327,8 @@ class BufferedStackFunction(torch.autograd.Function):
         gdt = compute_dtype(ctx.h_dtype)
         g_b = d_out.to(gdt, copy=True) if d_out is not None else torch.zeros(ctx.shape, dtype=gdt, device=v.device)
         g_v = torch.zeros_like(g_b)
-        for block, records, packed in zip(reversed(ctx.blocks), reversed(per_block), reversed(lost)):
+        for block, records in zip(reversed(ctx.blocks), reversed(per_block)):
+            packed = lost.pop()
             # the saved streams are this backward's own buffers: each layer's input is rebuilt into them
             g_v, g_b = invert_layer(block, v, b, sctx.for_layer(block.position_key), records, packed, ctx.bits,
                                     ctx.sign, gdt, (g_v, g_b), d_aux if use_aux else None)

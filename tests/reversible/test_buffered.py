@@ -128,6 +128,36 @@ def test_the_buffer_is_k_bits_a_coordinate_a_layer():
         assert model.last_stack_stats["buffer_bytes"] == layers * bits * ids.numel() * model.config.hidden_size // 8
 
 
+def test_each_layers_bits_are_freed_once_its_layer_is_rebuilt():
+    """The bit buffers live on the autograd node, not in saved tensors: when the backward has rebuilt layer i, the
+    buffers of the layers above it are gone (the step's peak is at the bottom of the backward); their bytes are
+    still reported (`held_bytes`), and a second backward through the same graph is refused (the saved streams
+    are rebuilt in place: autograd's version check)."""
+    import weakref
+
+    model, (ids, mask, labels) = _model(layers=4)
+    alive_at = {}
+    refs = []
+
+    def probe(i, v, b):
+        if refs:  # (the backward's calls; the forward makes none on the reversible path)
+            alive_at[i] = [ref() is not None for ref in refs]
+
+    loss = model(ids, attention_mask=mask, labels=labels, return_logits=False, probe=probe).loss
+    todo, node = [loss.grad_fn], None
+    while todo and node is None:
+        n = todo.pop()
+        node = n if type(n).__name__ == "BufferedStackFunctionBackward" else None
+        todo.extend(m for m, _ in n.next_functions if m is not None)
+    refs.extend(weakref.ref(t) for t in node.lost)
+    assert model.last_stack_stats["held_bytes"] == sum(r().numel() for r in refs) > 0
+    loss.backward(retain_graph=True)
+    assert alive_at == {i: [j <= i for j in range(4)] for i in range(4)}  # layer i's own: in use until the next
+    assert all(r() is None for r in refs)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
 def test_the_backward_recomputes_a_layer_by_chunks_of_whole_sequences():
     """recompute_chunk_tokens: each layer recomputed and back-propagated a chunk of sequences at a time (its router
     choices and load-balancing rows sliced to them): the same gradients as the whole batch at once."""
