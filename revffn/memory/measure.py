@@ -31,6 +31,12 @@ class SavedTensorLog:
     def bytes(self, exclude: set[int] = frozenset()) -> int:
         return sum(n for ptr, n in self.storages.items() if ptr not in exclude)
 
+    def stack_bytes(self, stats: dict) -> int:
+        """What a reversible stack keeps for its backward, from its `last_stack_stats`: the saved storages but the
+        routing and RNG records' (reported apart), plus `held_bytes`, what it holds outside saved tensors (the
+        buffered coupling's bit buffers, freed layer by layer)."""
+        return self.bytes(stats.get("record_storages", set())) + stats.get("held_bytes", 0)
+
     @contextlib.contextmanager
     def hooks(self):
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
@@ -41,10 +47,9 @@ class SavedTensorLog:
 def saved_bytes_of_stack(model):
     """Log what the decoder stack of a `RevFFNForCausalLM` saves for backward (params excluded).
 
-    Yields the log; after the forward, `log.bytes(model.last_stack_stats.get("record_storages"))`
-    gives the activation bytes without the records (choice indices and RNG states; their sizes are
-    `last_stack_stats["record_bytes"]` and `["rng_bytes"]`), plus `last_stack_stats["held_bytes"]`: what the stack
-    keeps for its backward outside saved tensors (the buffered coupling's bit buffers, freed layer by layer).
+    Yields the log; after the forward, `log.stack_bytes(model.last_stack_stats)` gives the activation bytes
+    without the records (choice indices and RNG states; their sizes are `last_stack_stats["record_bytes"]` and
+    `["rng_bytes"]`).
     """
     log = SavedTensorLog(model.parameters())
     previous = model.debug.stack_scope

@@ -60,8 +60,7 @@ def _step(model, ids, mask, labels, reversible: bool, probe_store: dict | None, 
     with saved_bytes_of_stack(model) as log:
         out = model(ids, attention_mask=mask, labels=labels, return_logits=False, probe=probe)
     stats = model.last_stack_stats
-    # routing and RNG records apart; with what the stack holds outside saved tensors (the buffered coupling's bits)
-    saved = log.bytes(stats.get("record_storages", set())) + stats.get("held_bytes", 0)
+    saved = log.stack_bytes(stats)  # routing and RNG records apart
     records = {"routing": stats.get("record_bytes", 0), "rng": stats.get("rng_bytes", 0)}
     out.loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -125,11 +125,10 @@ def pack_low_bits(a: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(bits, device=a.device, dtype=torch.uint8)[:, None]
     packed = torch.empty(bits, eighths.shape[1], dtype=torch.uint8, device=a.device)
     bit = torch.empty_like(packed)
-    for i in range(_PLANES):  # plane j |= bit j of eighth i, at bit position i
-        torch.bitwise_right_shift(eighths[i].expand_as(packed), shifts, out=bit if i else packed)
-        (bit if i else packed).bitwise_and_(1)
-        if i:
-            packed.bitwise_or_(bit.bitwise_left_shift_(i))
+    torch.bitwise_right_shift(eighths[0].expand_as(packed), shifts, out=packed).bitwise_and_(1)  # plane j: bit j
+    for i in range(1, _PLANES):  # plane j |= bit j of eighth i, at bit position i
+        torch.bitwise_right_shift(eighths[i].expand_as(bit), shifts, out=bit)
+        packed.bitwise_or_(bit.bitwise_and_(1).bitwise_left_shift_(i))
     return packed
 
 

@@ -122,7 +122,7 @@ class _Probe:
         t_log = time.perf_counter()
         if log is not None:  # counted while the graph holds them, outside the timed part
             stats = getattr(self.run.model, "last_stack_stats", {}) or {}
-            act = log.bytes(stats.get("record_storages", set())) + stats.get("held_bytes", 0)  # (see check.py)
+            act = log.stack_bytes(stats)
             self.row["activation_bytes"] = max(self.row["activation_bytes"], act)
             self.row["routing_record_bytes"] = int(stats.get("record_bytes", 0))
         self.t_log = time.perf_counter() - t_log
