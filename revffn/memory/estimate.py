@@ -200,6 +200,14 @@ def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
     return [counts["embed"], *layers, counts["head"] + m.d]
 
 
+def load_group_params(m: Dims, world_size: int) -> int:
+    """The most parameters a rank reads whole and converts at once when it loads shard by shard
+    (`models.sharded.load_shards`): one MoE layer's experts, only the ceil(E / world) a rank holds (transformers
+    stacks them from per-expert tensors); every other tensor is read by rows, each rank its own."""
+    own = -(-m.experts // world_size)
+    return max((own * 3 * m.d * m.moe_inter for i in range(m.layers) if m.moe[i]), default=0)
+
+
 # -- what a method's terms are computed from, and what they are -----------------------------------
 @dataclass(frozen=True)
 class MemoryContext:
@@ -372,14 +380,14 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
     # the loading route (`training.step.build_run`): under FSDP, for a method that prepares a model without weights,
-    # each rank holds its shards plus one unit of the checkpoint read whole and converted (`models.sharded`);
+    # each rank holds its shards plus one layer's own experts read whole and converted (`models.sharded`);
     # otherwise every process builds, converts and prepares the whole model on its host
     sharded_load = distributed == "fsdp" and method.META_PREPARE and not terms.loads_whole
     if sharded_load:
-        host_load = math.ceil(total_params * s / world_size) + 2 * max(unit_params(m, ctx.counts)) * s
+        host_load = math.ceil(total_params * s / world_size) + 2 * load_group_params(m, world_size) * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, its 1/{world_size} of "
-                     "the weights plus the largest layer (or the embeddings) twice, as read and as converted: the "
-                     "model is built on the meta device and each rank keeps only its rows")
+                     "the weights plus one layer's experts of its own twice, as read and as stacked: the model is "
+                     "built on the meta device and each rank reads only its rows and its experts")
     else:
         host_load = total_params * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "

@@ -7,20 +7,23 @@
 
 The route: every rank reads the checkpoint itself and keeps only its rows. The other standard route, rank 0
 reading and broadcasting (`set_model_state_dict(..., broadcast_from_rank0=True)`), has rank 0 hold the whole
-model on its host, so that its peak is the unsharded one; here each rank's peak is its shards plus one layer
-of the checkpoint in full (the largest group of tensors transformers converts together: a layer's experts are
-stacked from separate tensors). The files are read once per rank through `pread`, not `mmap`: the page cache
-is shared by the ranks of a node, and no page of the file counts in a rank's resident memory.
+model on its host, so that its peak is the unsharded one; here each rank's peak is its shards plus one layer's
+experts of its own, read whole (transformers stacks them from per-expert tensors into the fused experts, which
+FSDP2 shards by rows: expert by expert). The files are read through `pread`, not `mmap`: the page cache is shared
+by the ranks of a node, and no page of the file counts in a rank's resident memory.
 
 An HF checkpoint's keys become the model's through transformers' own conversion (`core_model_loading`: renames,
 and per-expert tensors stacked into the fused 3-D experts), applied to one layer's tensors at a time on a second,
-meta-device copy of the model; the result is bitwise what `from_pretrained` loads. A converted directory
-(`revffn convert`, a run's final/) holds the model's own parameter names: there each rank reads only its rows of
-each tensor, and the result is bitwise what `models.loading.load` loads.
+meta-device copy of the model (with as many experts as the rank holds, numbered from 0); the result is bitwise
+what `from_pretrained` loads. A tensor transformers only renames is read by rows, each rank its own. A converted
+directory (`revffn convert`, a run's final/) holds the model's own parameter names: there each rank reads only its
+rows of each tensor, and the result is bitwise what `models.loading.load` loads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -39,6 +42,8 @@ from revffn.models.loading import (
 )
 
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
+EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config keys archs name it by
 
 
 def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
@@ -53,12 +58,18 @@ def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
     return any(path.glob("*.safetensors"))
 
 
-def _meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM of `config`, its parameters on the meta device, its buffers (rotary frequencies) real."""
+def _meta_model(config, dtype: torch.dtype, scratch: bool = False) -> nn.Module:
+    """The HF causal LM of `config`, its parameters on the meta device, its buffers (rotary frequencies) real.
+    `scratch`: only a target for transformers' key conversion (`load_shards`), so its initialization is skipped
+    (transformers' `no_init_weights`; on meta it computes nothing, but walks every module)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: initialized as the model is
+        no_init_weights = contextlib.nullcontext
+    with init_empty_weights(include_buffers=False), no_init_weights() if scratch else contextlib.nullcontext():
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf.tie_weights()  # the meta parameters were made anew, each on its own: tie them again
     return hf
@@ -115,11 +126,15 @@ def _open(file: Path):
         return safe_open(file, framework="pt", device="cpu")
 
 
-def _read(where: dict[Path, list[str]]) -> dict[str, torch.Tensor]:
+def _read(where: dict[Path, list[str]], first_expert: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of `where` ({file: keys}), expert i's keyed as expert i - `first_expert`."""
+    def key(k: str) -> str:
+        return EXPERT_KEY.sub(lambda m: f".experts.{int(m.group(1)) - first_expert}.", k, 1) if first_expert else k
+
     tensors = {}
     for file, keys in where.items():
         with _open(file) as f:
-            tensors.update((k, f.get_tensor(k)) for k in keys)
+            tensors.update((key(k), f.get_tensor(k)) for k in keys)
     return tensors
 
 
@@ -173,14 +188,55 @@ def _direct(keys: dict[Path, list[str]], scratch: nn.Module, mapping: list, slot
     return direct, rest
 
 
+def _own_experts(rest: dict[Path, list[str]], scratch: nn.Module, mapping: list, slots: dict):
+    """A layer's per-expert tensors cut to the experts this rank holds: FSDP2 shards the fused experts (E, ...) by
+    rows, one expert a row, so a rank needs only its own experts' tensors, not all E. Returns ({file: keys} with
+    the other experts' keys left out, the rows held, the fused parameters' names), or (rest, None, ()) where the
+    fused experts are not sharded by experts (one process, or not FSDP's row split): then every key is read."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    meta = scratch.state_dict()
+    held, fused = None, set()
+    for keys in rest.values():
+        for key in keys:
+            if EXPERT_KEY.search(key) is None:
+                continue
+            name, _ = rename_source_key(key, renamings, converters, scratch.base_model_prefix, meta)
+            rows = local_rows(slots[name][0]._parameters[slots[name][1]]) if name in slots else None
+            if rows is None or held not in (None, rows):
+                return rest, None, ()
+            held = rows
+            fused.add(name)
+    if held is None:
+        return rest, None, ()
+    mine = {file: [k for k in keys if (m := EXPERT_KEY.search(k)) is None or held.start <= int(m.group(1)) < held.stop]
+            for file, keys in rest.items()}
+    return mine, held, fused
+
+
+def _fewer_experts(config, total: int, held: int):
+    """`config` with `held` experts instead of `total` (its MoE's count key, whichever the arch names it by): the
+    scratch copy onto which transformers stacks the experts a rank read, as rows 0..held-1."""
+    config = copy.deepcopy(config)
+    keys = [k for k in EXPERT_COUNTS if getattr(config, k, None) == total]
+    if not keys:
+        return None
+    for k in keys:
+        setattr(config, k, held)
+    return config
+
+
 def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dtype: torch.dtype) -> None:
     """Fill the (sharded, materialized) parameters in `slots` (`parameter_slots` of the HF model of `config`) from
     `model`'s safetensors, each rank its own rows.
 
     A tensor transformers only renames (if at all) is read by rows, each rank its own. The others of a layer (a
-    layer's per-expert tensors) are read whole and converted by transformers onto a meta copy of the model
-    (`scratch`), whose loaded parameters are then cut into the shards and dropped. Layers beyond the model's depth
-    (`num_hidden_layers` overridden) are skipped, as `from_pretrained` drops them."""
+    layer's per-expert tensors: only the experts whose rows of the fused experts this rank holds) are read whole
+    and converted by transformers onto a meta copy of the model (`scratch`), whose loaded parameters are then
+    copied into the shards (cut into them where a converted tensor is not one of a rank's own) and dropped. Layers
+    beyond the model's depth (`num_hidden_layers` overridden) are skipped, as `from_pretrained` drops them."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -191,7 +247,8 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
         with _open(path / "model.safetensors") as f:
             keys = list(f.keys())
         return _load_rows(slots, {path / "model.safetensors": [(k, k) for k in keys]})
-    scratch = _meta_model(config, dtype)
+    scratch = _meta_model(config, dtype, scratch=True)
+    scratches = {}  # the number of experts a rank holds -> a scratch copy with that many
     mapping = get_model_conversion_mapping(scratch)
     load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=mapping)
     depth = config.num_hidden_layers
@@ -205,14 +262,30 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
             _load_rows(slots, direct)
             if not where:
                 continue
-            convert_and_load_state_dict_in_model(scratch, _read(where), load_config)
+            mine, held, fused = _own_experts(where, scratch, mapping, slots)
+            target = scratch  # a rank holding no expert reads none, and converts the rest onto the whole scratch
+            if held is not None and held.stop > held.start:
+                count = held.stop - held.start
+                if count not in scratches:
+                    total = next(slots[name][0]._parameters[slots[name][1]].shape[0] for name in fused)
+                    fewer = _fewer_experts(config, total, count) if count < total else None
+                    scratches[count] = scratch if count == total else \
+                        None if fewer is None else _meta_model(fewer, dtype, scratch=True)
+                target = scratches[count]
+                if target is None:  # the arch names its expert count otherwise: every expert read, as one process
+                    mine, held, fused, target = where, None, (), scratch
+            tensors = _read(mine, first_expert=held.start if held is not None else 0)
+            convert_and_load_state_dict_in_model(target, tensors, load_config)
             with torch.no_grad():
-                for name, p in scratch.named_parameters(remove_duplicate=False):
+                for name, p in target.named_parameters(remove_duplicate=False):
                     if not p.is_meta:
                         module, attr = slots[name]
-                        write_full(module._parameters[attr], p)
+                        if name in fused:  # already this rank's rows
+                            local(module._parameters[attr]).copy_(p)
+                        else:
+                            write_full(module._parameters[attr], p)
                         owner, _, attr = name.rpartition(".")
-                        module = scratch.get_submodule(owner)
+                        module = target.get_submodule(owner)
                         module._parameters[attr] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
     finally:
         if bars:

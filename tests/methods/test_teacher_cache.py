@@ -107,7 +107,7 @@ def test_streaming_with_a_cached_teacher_is_refused():
 
 
 def test_the_estimate_counts_each_teacher_route():
-    from revffn.memory.estimate import count_params, dims, estimate, unit_params
+    from revffn.memory.estimate import estimate
     from revffn.models.loading import hf_config
 
     config, cls = hf_config("qwen1.5-moe-a2.7b"), method_class("revffn")
@@ -127,10 +127,10 @@ def test_the_estimate_counts_each_teacher_route():
     assert whole["host_load_route"] == "whole"  # the teacher copy is taken of the calibrated model: loaded whole
     assert whole["host_load_bytes"] == copy["host_load_bytes"]
     assert any("8 processes on one node" in n for n in whole["notes"])
-    # the cached route loads shard by shard: each rank its eighth, and one unit read whole and converted
+    # the cached route loads shard by shard: each rank its eighth, and one layer's own experts read whole and stacked
     sharded = estimate(config, cls, batch=1, seq=512, dtype="bfloat16", distill_coef=0.5, distill_teacher="cached",
                        world_size=8, distributed="fsdp", coupling="additive")
-    largest = max(unit_params(dims(config), count_params(config)))
+    own = -(-config.num_experts // 8) * 3 * config.hidden_size * config.moe_intermediate_size  # 8 of the 60 experts
     assert sharded["host_load_route"] == "sharded"
-    assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 2 * largest * 2
+    assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 2 * own * 2
     assert sharded["host_load_bytes"] < whole["host_load_bytes"] / 4

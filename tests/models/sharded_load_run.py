@@ -1,6 +1,7 @@
 """Under torchrun (2 ranks, gloo): `build_run` under FSDP2 with sharded loading (the model built on the meta
 device, each rank reading its own rows) and with the model loaded whole on every rank; writes, from rank 0,
-each parameter's largest difference between the two (all-gathered) and which route each build took.
+each parameter's largest difference between the two (all-gathered), which route each build took, and which
+experts' tensors each rank read from the checkpoint.
 
     torchrun --nproc-per-node 2 tests/models/sharded_load_run.py OUT.json MODEL METHOD [KEY=VALUE ...]
 """
@@ -8,10 +9,12 @@ each parameter's largest difference between the two (all-gathered) and which rou
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import torch
 
+from revffn.models import sharded as sharded_loading
 from revffn.models.loading import load_hf
 from revffn.training.config import load_config
 from revffn.training.parallel import init_distributed
@@ -28,7 +31,18 @@ def main(out: str, model: str, method: str, *extra: str) -> None:
                              "distributed=fsdp", "output_dir=/nonexistent", *extra])
     device = torch.device("cpu")
     init_distributed("fsdp", device, 120)
+    read, whole_read = set(), sharded_loading._read
+
+    def counted(where, **kwargs):  # the experts whose tensors this rank reads whole
+        read.update(int(m.group(1)) for keys in where.values() for k in keys
+                    if (m := re.search(r"\.experts\.(\d+)\.", k)))
+        return whole_read(where, **kwargs)
+
+    sharded_loading._read = counted
     sharded = build_run(cfg, device, strategy="fsdp")
+    sharded_loading._read = whole_read
+    experts = [None, None]
+    torch.distributed.all_gather_object(experts, sorted(read))
     from torch.distributed.tensor import DTensor
 
     routes = {"loading": sharded.loading, "dtensors": all(isinstance(p, DTensor) for p in sharded.model.parameters())}
@@ -38,7 +52,7 @@ def main(out: str, model: str, method: str, *extra: str) -> None:
     other = full_state(whole.model)
     if torch.distributed.get_rank() == 0:
         diff = {k: (one[k] - other[k]).abs().max().item() if one[k].numel() else 0.0 for k in other}
-        json.dump({"keys_equal": sorted(one) == sorted(other), "diff": diff, "routes": routes,
+        json.dump({"keys_equal": sorted(one) == sorted(other), "diff": diff, "routes": routes, "experts_read": experts,
                    "bitwise": all(torch.equal(one[k], other[k]) for k in other)}, open(out, "w"))
     torch.distributed.destroy_process_group()
 

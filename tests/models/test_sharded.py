@@ -102,6 +102,7 @@ def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
     extra = ["revffn.calibration_tokens=512"] if method == "revffn" else []
     r = _two_ranks(tmp_path / "out.json", "builtin:base", method, *extra)
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["experts_read"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each rank its own 4 of the 8 experts' tensors
     assert r["keys_equal"] and r["diff"]
     assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
 
@@ -113,6 +114,7 @@ def test_fsdp_sharded_load_of_the_real_moe_equals_the_whole_load(tmp_path):
     renamed, the embeddings tied to the head), 2 layers: every parameter bitwise the whole load's."""
     r = _two_ranks(tmp_path / "out.json", "builtin:smollm2-moe", "full", "model_config={num_hidden_layers: 2}")
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["experts_read"] == [[0, 1], [2, 3]]
     assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
 
 
@@ -141,11 +143,12 @@ def test_fsdp_sharded_load_of_a_converted_directory_equals_the_whole_load(tmp_pa
 @pytest.mark.integration
 @pytest.mark.slow  # two 2-rank training runs (~20 s): the suite's budget
 def test_a_sharded_load_trains_and_resumes_without_calibrating(tmp_path):
-    """`revffn train` on 2 FSDP ranks loads `builtin:base` shard by shard, calibrates once, and a resume from its
-    step-2 checkpoint (DCP shards into the meta-built model) skips the calibration and continues the same run."""
+    """`revffn train` on 2 FSDP ranks loads `builtin:base` shard by shard, calibrates once (the additive coupling:
+    the buffered default has nothing to calibrate), and a resume from its step-2 checkpoint (DCP shards into the
+    meta-built model) skips the calibration and continues the same run."""
     import shutil
 
-    over = ["model=builtin:base", "model_config={num_hidden_layers: 2}", "method=revffn",
+    over = ["model=builtin:base", "model_config={num_hidden_layers: 2}", "method=revffn", "revffn.coupling=additive",
             "revffn.calibration_tokens=512", "revffn.adapter_warmup_steps=2", "revffn.heal_data=task",
             "data=builtin:reversal_train", "eval_data=null",
             "max_seq_length=32", "per_device_train_batch_size=2", "distributed=fsdp", "max_steps=4", "save_steps=2",
