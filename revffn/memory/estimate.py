@@ -203,7 +203,8 @@ def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
 def load_group_params(m: Dims, world_size: int) -> int:
     """The most parameters a rank reads whole and converts at once when it loads shard by shard
     (`models.sharded.load_shards`): one MoE layer's experts, only the ceil(E / world) a rank holds (transformers
-    stacks them from per-expert tensors); every other tensor is read by rows, each rank its own."""
+    stacks them from per-expert tensors); every other tensor is read by rows, each rank its own. The estimate
+    counts them three times: as read, as stacked and as concatenated (gate and up) while the read ones live."""
     own = -(-m.experts // world_size)
     return max((own * 3 * m.d * m.moe_inter for i in range(m.layers) if m.moe[i]), default=0)
 
@@ -384,10 +385,11 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
     # otherwise every process builds, converts and prepares the whole model on its host
     sharded_load = distributed == "fsdp" and method.META_PREPARE and not terms.loads_whole
     if sharded_load:
-        host_load = math.ceil(total_params * s / world_size) + 2 * load_group_params(m, world_size) * s
+        host_load = math.ceil(total_params * s / world_size) + 3 * load_group_params(m, world_size) * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, its 1/{world_size} of "
-                     "the weights plus one layer's experts of its own twice, as read and as stacked: the model is "
-                     "built on the meta device and each rank reads only its rows and its experts")
+                     "the weights plus one layer's experts of its own three times, as read, stacked and "
+                     "concatenated: the model is built on the meta device and each rank reads only its rows and "
+                     "its experts")
     else:
         host_load = total_params * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "

@@ -43,7 +43,6 @@ from revffn.models.loading import (
 
 LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config keys archs name it by
 
 
 def sharded_loadable(model: str, overrides: dict | None = None) -> bool:
@@ -139,11 +138,20 @@ def _read(where: dict[Path, list[str]], first_expert: int = 0) -> dict[str, torc
 
 
 def parameter_slots(hf: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """name -> (module, attribute) of each of `hf`'s parameters, tied ones under each name: where `load_shards`
-    finds them once the method has rearranged the modules (RevFFN's blocks hold the decoder layers) and FSDP2
-    has replaced the parameters (by DTensors, on the same modules)."""
+    """name -> (module, attribute) of each of `hf`'s parameters, tied ones under each name, and of its persistent
+    buffers (those a checkpoint holds, e.g. a router's `e_score_correction_bias`; `from_pretrained` loads them):
+    where `load_shards` finds them once the method has rearranged the modules (RevFFN's blocks hold the decoder
+    layers) and FSDP2 has replaced the parameters (by DTensors, on the same modules)."""
     return {f"{prefix}{'.' if prefix else ''}{attr}": (module, attr)
-            for prefix, module in hf.named_modules(remove_duplicate=False) for attr in module._parameters}
+            for prefix, module in hf.named_modules(remove_duplicate=False)
+            for attr in (*module._parameters, *(b for b in module._buffers
+                                               if b not in module._non_persistent_buffers_set))}
+
+
+def _slot(slots: dict[str, tuple[nn.Module, str]], name: str) -> torch.Tensor:
+    """The tensor the model holds now under `name`: the parameter (a DTensor once sharded) or the buffer."""
+    module, attr = slots[name]
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
 
 
 def _copy_rows(f, key: str, param: torch.Tensor) -> None:
@@ -164,8 +172,7 @@ def _load_rows(slots: dict[str, tuple[nn.Module, str]], where: dict[Path, list[t
         for file, keys in where.items():
             with _open(file) as f:
                 for key, name in keys:
-                    module, attr = slots[name]
-                    _copy_rows(f, key, module._parameters[attr])
+                    _copy_rows(f, key, _slot(slots, name))
 
 
 def _direct(keys: dict[Path, list[str]], scratch: nn.Module, mapping: list, slots: dict) -> tuple[dict, dict]:
@@ -198,18 +205,22 @@ def _own_experts(rest: dict[Path, list[str]], scratch: nn.Module, mapping: list,
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     meta = scratch.state_dict()
-    held, fused = None, set()
+    held, fused, experts = None, set(), set()
     for keys in rest.values():
         for key in keys:
-            if EXPERT_KEY.search(key) is None:
+            if (m := EXPERT_KEY.search(key)) is None:
                 continue
             name, _ = rename_source_key(key, renamings, converters, scratch.base_model_prefix, meta)
-            rows = local_rows(slots[name][0]._parameters[slots[name][1]]) if name in slots else None
+            # an expert's tensor that stays one expert's (a converter within it) is no row of fused experts
+            rows = local_rows(_slot(slots, name)) if name in slots and not EXPERT_KEY.search(name) else None
             if rows is None or held not in (None, rows):
                 return rest, None, ()
             held = rows
             fused.add(name)
-    if held is None:
+            experts.add(int(m.group(1)))
+    # one row an expert: as many rows in each fused tensor as the layer has experts, numbered 0..E-1
+    if held is None or any(_slot(slots, name).shape[0] != len(experts) for name in fused) \
+            or experts != set(range(len(experts))):
         return rest, None, ()
     mine = {file: [k for k in keys if (m := EXPERT_KEY.search(k)) is None or held.start <= int(m.group(1)) < held.stop]
             for file, keys in rest.items()}
@@ -217,15 +228,41 @@ def _own_experts(rest: dict[Path, list[str]], scratch: nn.Module, mapping: list,
 
 
 def _fewer_experts(config, total: int, held: int):
-    """`config` with `held` experts instead of `total` (its MoE's count key, whichever the arch names it by): the
-    scratch copy onto which transformers stacks the experts a rank read, as rows 0..held-1."""
-    config = copy.deepcopy(config)
-    keys = [k for k in EXPERT_COUNTS if getattr(config, k, None) == total]
+    """`config` with `held` experts instead of `total` (its MoE's count key, whichever the arch's spec names:
+    `ArchSpec.num_experts_keys`), None where no such key holds `total`: the scratch copy onto which transformers
+    stacks the experts a rank read, as rows 0..held-1."""
+    from revffn.archs.architectures import ARCHITECTURES
+    from revffn.archs.spec import ArchSpec, config_value
+
+    spec = ARCHITECTURES.get(getattr(config, "model_type", None))
+    keys = [k for k in (spec.num_experts_keys if spec else ArchSpec.num_experts_keys)
+            if config_value(config, k) == total]
     if not keys:
         return None
-    for k in keys:
-        setattr(config, k, held)
+    config = copy.deepcopy(config)
+    for key in keys:
+        *path, last = key.split(".")
+        owner = config
+        for part in path:
+            owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
+        if isinstance(owner, dict):
+            owner[last] = held
+        else:
+            setattr(owner, last, held)
     return config
+
+
+def _expert_scratch(config, dtype: torch.dtype, fused: dict[str, torch.Size], held: int) -> nn.Module | None:
+    """A meta copy of the model with `held` experts, or None where the arch does not build one whose fused experts
+    are `fused`'s ({name: whole shape}) with `held` rows (its count key unknown; or, as Jamba's with 1 expert, a
+    layer of another kind): the experts are then all read, as one process reads them."""
+    fewer = _fewer_experts(config, next(iter(fused.values()))[0], held)
+    if fewer is None:
+        return None
+    scratch = _meta_model(fewer, dtype, scratch=True)
+    shapes = {name: p.shape for name, p in scratch.named_parameters(remove_duplicate=False)}
+    ok = all(shapes.get(name) == torch.Size((held, *shape[1:])) for name, shape in fused.items())
+    return scratch if ok else None
 
 
 def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dtype: torch.dtype) -> None:
@@ -267,10 +304,9 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
             if held is not None and held.stop > held.start:
                 count = held.stop - held.start
                 if count not in scratches:
-                    total = next(slots[name][0]._parameters[slots[name][1]].shape[0] for name in fused)
-                    fewer = _fewer_experts(config, total, count) if count < total else None
-                    scratches[count] = scratch if count == total else \
-                        None if fewer is None else _meta_model(fewer, dtype, scratch=True)
+                    shapes = {name: _slot(slots, name).shape for name in fused}
+                    whole = next(iter(shapes.values()))[0] == count
+                    scratches[count] = scratch if whole else _expert_scratch(config, dtype, shapes, count)
                 target = scratches[count]
                 if target is None:  # the arch names its expert count otherwise: every expert read, as one process
                     mine, held, fused, target = where, None, (), scratch
@@ -279,11 +315,10 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
             with torch.no_grad():
                 for name, p in target.named_parameters(remove_duplicate=False):
                     if not p.is_meta:
-                        module, attr = slots[name]
                         if name in fused:  # already this rank's rows
-                            local(module._parameters[attr]).copy_(p)
+                            local(_slot(slots, name)).copy_(p)
                         else:
-                            write_full(module._parameters[attr], p)
+                            write_full(_slot(slots, name), p)
                         owner, _, attr = name.rpartition(".")
                         module = target.get_submodule(owner)
                         module._parameters[attr] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)

@@ -132,5 +132,5 @@ def test_the_estimate_counts_each_teacher_route():
                        world_size=8, distributed="fsdp", coupling="additive")
     own = -(-config.num_experts // 8) * 3 * config.hidden_size * config.moe_intermediate_size  # 8 of the 60 experts
     assert sharded["host_load_route"] == "sharded"
-    assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 2 * own * 2
+    assert sharded["host_load_bytes"] == -(-sharded["total_params"] * 2 // 8) + 3 * own * 2
     assert sharded["host_load_bytes"] < whole["host_load_bytes"] / 4

@@ -1,7 +1,7 @@
 """Under torchrun (2 ranks, gloo): `build_run` under FSDP2 with sharded loading (the model built on the meta
 device, each rank reading its own rows) and with the model loaded whole on every rank; writes, from rank 0,
-each parameter's largest difference between the two (all-gathered), which route each build took, and which
-experts' tensors each rank read from the checkpoint.
+each parameter's largest difference between the two (all-gathered), whether their buffers are equal, which
+route each build took, and which experts' tensors each rank read from the checkpoint.
 
     torchrun --nproc-per-node 2 tests/models/sharded_load_run.py OUT.json MODEL METHOD [KEY=VALUE ...]
 """
@@ -52,7 +52,9 @@ def main(out: str, model: str, method: str, *extra: str) -> None:
     other = full_state(whole.model)
     if torch.distributed.get_rank() == 0:
         diff = {k: (one[k] - other[k]).abs().max().item() if one[k].numel() else 0.0 for k in other}
+        buffers = dict(whole.model.named_buffers())
         json.dump({"keys_equal": sorted(one) == sorted(other), "diff": diff, "routes": routes, "experts_read": experts,
+                   "buffers_equal": all(torch.equal(b, buffers[k]) for k, b in sharded.model.named_buffers()),
                    "bitwise": all(torch.equal(one[k], other[k]) for k in other)}, open(out, "w"))
     torch.distributed.destroy_process_group()
 

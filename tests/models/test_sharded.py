@@ -66,6 +66,59 @@ def test_meta_then_layer_by_layer_equals_from_pretrained(layers):
     assert all(torch.equal(a, b) for a, b in zip(hf.buffers(), ref.buffers()))
 
 
+def _tiny_checkpoint(path: Path, model_type: str, **config) -> Path:
+    """A tiny random `model_type` saved as an HF checkpoint, untied, its router biases (buffers the checkpoint
+    holds: lfm2_moe's `expert_bias`, kolibri1's `e_score_correction_bias`) made nonzero."""
+    from transformers import AutoModelForCausalLM
+
+    from revffn.models.tiny_any import tiny_config_for
+
+    cfg = tiny_config_for(model_type)
+    for key, value in {"tie_word_embeddings": False, **config}.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("bias"):
+                b.copy_(torch.randn_like(b))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["lfm2_moe", "kolibri1"])
+def test_buffers_the_checkpoint_holds_load_as_from_pretrained(tmp_path, model_type):
+    """A router's bias kept as a buffer in the checkpoint (it steers routing) is read as `from_pretrained` reads
+    it, not left at its initial zeros."""
+    path = str(_tiny_checkpoint(tmp_path / "ckpt", model_type))
+    hf = meta_hf(path, torch.float32)
+    slots = parameter_slots(hf)
+    materialize(hf, torch.device("cpu"))
+    load_shards(slots, hf.config, path, torch.float32)
+    check_loaded(hf)
+    ref = load_hf(path, dtype=torch.float32)
+    theirs = dict(ref.named_buffers())
+    biases = [name for name in theirs if name.endswith("bias")]
+    assert biases and all(theirs[name].abs().sum() > 0 for name in biases)
+    assert all(torch.equal(b, theirs[name]) for name, b in hf.named_buffers())
+    assert all(torch.equal(a, b) for a, b in zip(hf.parameters(), ref.parameters()))
+
+
+def test_a_scratch_with_fewer_experts_only_where_the_arch_builds_one():
+    """A rank's experts are stacked onto a copy of the model with that many; Jamba builds a dense MLP for one
+    expert, so a rank holding one reads all of them (the old route) instead of leaving its rows unloaded."""
+    from revffn.models.sharded import _expert_scratch, _meta_model
+    from revffn.models.tiny_any import tiny_config_for
+
+    for model_type, held, built in [("jamba", 1, False), ("jamba", 2, True), ("lfm2_moe", 2, True)]:
+        config = tiny_config_for(model_type)
+        whole = _meta_model(config, torch.float32, scratch=True)
+        fused = {name: p.shape for name, p in whole.named_parameters() if ".experts." in name and p.dim() == 3}
+        scratch = _expert_scratch(config, torch.float32, fused, held)
+        assert (scratch is not None) == built, (model_type, held)
+        assert config.num_experts == 4  # the model's own config is left as it is
+
+
 def test_a_parameter_left_unloaded_is_an_error():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -116,6 +169,18 @@ def test_fsdp_sharded_load_of_the_real_moe_equals_the_whole_load(tmp_path):
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["experts_read"] == [[0, 1], [2, 3]]
     assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
+
+
+@pytest.mark.integration
+def test_fsdp_sharded_load_of_an_uneven_expert_split_equals_the_whole_load(tmp_path):
+    """lfm2_moe with 5 experts over 2 ranks (3 + 2), a dense first layer and router biases in the checkpoint:
+    each rank reads its own experts only, and every parameter and buffer equals the whole load's."""
+    path = _tiny_checkpoint(tmp_path / "ckpt", "lfm2_moe", num_experts=5)
+    r = _two_ranks(tmp_path / "out.json", str(path), "full")
+    assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
+    assert r["experts_read"] == [[0, 1, 2], [3, 4]]
+    assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
+    assert r["buffers_equal"]
 
 
 @pytest.mark.integration
