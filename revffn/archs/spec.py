@@ -105,3 +105,15 @@ def config_value(config, key: str | None, default=None):
         if value is None:
             return default
     return value
+
+
+def set_config_value(config, key: str, value) -> None:
+    """config.key = value (dotted as `config_value` reads it: through sub-configs, objects or dicts)."""
+    *path, last = key.split(".")
+    owner = config
+    for part in path:
+        owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
+    if isinstance(owner, dict):
+        owner[last] = value
+    else:
+        setattr(owner, last, value)

@@ -175,19 +175,25 @@ def _load_rows(slots: dict[str, tuple[nn.Module, str]], where: dict[Path, list[t
                     _copy_rows(f, key, _slot(slots, name))
 
 
-def _direct(keys: dict[Path, list[str]], scratch: nn.Module, mapping: list, slots: dict) -> tuple[dict, dict]:
-    """({file: [(key, parameter name)]} of the keys transformers only renames, if at all, {file: [key]} of the keys
-    a converter combines (per-expert tensors stacked into fused experts)."""
+def _renamer(scratch: nn.Module, mapping: list):
+    """key -> (the model's name for it, the converter's source pattern or None): transformers' renaming of a
+    checkpoint key (`rename_source_key`), its rules and the scratch's meta state dict taken once per load."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    meta = scratch.state_dict()
+    meta, prefix = scratch.state_dict(), scratch.base_model_prefix
+    return lambda key: rename_source_key(key, renamings, converters, prefix, meta)
+
+
+def _direct(keys: dict[Path, list[str]], rename, slots: dict) -> tuple[dict, dict]:
+    """({file: [(key, parameter name)]} of the keys transformers only renames, if at all, {file: [key]} of the keys
+    a converter combines (per-expert tensors stacked into fused experts)."""
     direct: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     rest: dict[Path, list[str]] = defaultdict(list)
     for file, names in keys.items():
         for key in names:
-            name, combined = rename_source_key(key, renamings, converters, scratch.base_model_prefix, meta)
+            name, combined = rename(key)
             if combined is None and name in slots:
                 direct[file].append((key, name))
             else:
@@ -195,22 +201,17 @@ def _direct(keys: dict[Path, list[str]], scratch: nn.Module, mapping: list, slot
     return direct, rest
 
 
-def _own_experts(rest: dict[Path, list[str]], scratch: nn.Module, mapping: list, slots: dict):
+def _own_experts(rest: dict[Path, list[str]], rename, slots: dict):
     """A layer's per-expert tensors cut to the experts this rank holds: FSDP2 shards the fused experts (E, ...) by
     rows, one expert a row, so a rank needs only its own experts' tensors, not all E. Returns ({file: keys} with
     the other experts' keys left out, the rows held, the fused parameters' names), or (rest, None, ()) where the
     fused experts are not sharded by experts (one process, or not FSDP's row split): then every key is read."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    meta = scratch.state_dict()
     held, fused, experts = None, set(), set()
     for keys in rest.values():
         for key in keys:
             if (m := EXPERT_KEY.search(key)) is None:
                 continue
-            name, _ = rename_source_key(key, renamings, converters, scratch.base_model_prefix, meta)
+            name, _ = rename(key)
             # an expert's tensor that stays one expert's (a converter within it) is no row of fused experts
             rows = local_rows(_slot(slots, name)) if name in slots and not EXPERT_KEY.search(name) else None
             if rows is None or held not in (None, rows):
@@ -232,7 +233,7 @@ def _fewer_experts(config, total: int, held: int):
     `ArchSpec.num_experts_keys`), None where no such key holds `total`: the scratch copy onto which transformers
     stacks the experts a rank read, as rows 0..held-1."""
     from revffn.archs.architectures import ARCHITECTURES
-    from revffn.archs.spec import ArchSpec, config_value
+    from revffn.archs.spec import ArchSpec, config_value, set_config_value
 
     spec = ARCHITECTURES.get(getattr(config, "model_type", None))
     keys = [k for k in (spec.num_experts_keys if spec else ArchSpec.num_experts_keys)
@@ -241,14 +242,7 @@ def _fewer_experts(config, total: int, held: int):
         return None
     config = copy.deepcopy(config)
     for key in keys:
-        *path, last = key.split(".")
-        owner = config
-        for part in path:
-            owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
-        if isinstance(owner, dict):
-            owner[last] = held
-        else:
-            setattr(owner, last, held)
+        set_config_value(config, key, held)
     return config
 
 
@@ -287,6 +281,7 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
     scratch = _meta_model(config, dtype, scratch=True)
     scratches = {}  # the number of experts a rank holds -> a scratch copy with that many
     mapping = get_model_conversion_mapping(scratch)
+    rename = _renamer(scratch, mapping)
     load_config = LoadStateDictConfig(dtype=dtype, weight_mapping=mapping)
     depth = config.num_hidden_layers
     bars = hf_logging.is_progress_bar_enabled()
@@ -295,11 +290,11 @@ def load_shards(slots: dict[str, tuple[nn.Module, str]], config, model: str, dty
         for layer, where in _groups(sorted(path.glob("*.safetensors"))):
             if layer >= depth:
                 continue
-            direct, where = _direct(where, scratch, mapping, slots)
+            direct, where = _direct(where, rename, slots)
             _load_rows(slots, direct)
             if not where:
                 continue
-            mine, held, fused = _own_experts(where, scratch, mapping, slots)
+            mine, held, fused = _own_experts(where, rename, slots)
             target = scratch  # a rank holding no expert reads none, and converts the rest onto the whole scratch
             if held is not None and held.stop > held.start:
                 count = held.stop - held.start
