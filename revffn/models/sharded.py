@@ -89,7 +89,16 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     if meta := [name for name, b in buffers.items() if b.is_meta]:
         raise RuntimeError(f"sharded loading: buffers {meta} were built on the meta device and have no value")
+    tied: dict[int, list[str]] = {}  # a tied head and embedding: one parameter under two names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
     model.to_empty(device=device)
+    for first, *others in (names for names in tied.values() if len(names) > 1):
+        shared = model.get_parameter(first)  # to_empty makes one per name on an unsharded model (FSDP2 keeps one)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            if model.get_parameter(name) is not shared:
+                setattr(model.get_submodule(owner), attr, shared)
     with torch.no_grad():
         for p in model.parameters():
             local(p).fill_(float("nan"))

@@ -3,7 +3,7 @@
     revffn study --out runs/study --docs docs/study.md     # full study, ~40 min on 2 CPU cores (--jobs 2)
     revffn study --quick --out /tmp/study                  # smoke version, < 1 min
     revffn study --base builtin:smollm2 --out runs/study-smollm2 --docs docs/study_smollm2.md
-                                                           # the real base, ~90 min on 2 CPU cores
+                                                           # the real base, ~35 min on 2 CPU cores (--jobs 2)
 
 For each method and task the base (`StudyBase`: the shipped 4-layer `builtin:base` by default, or a real
 pretrained model with `--base`) is fine-tuned for the same optimizer steps on the same batches (same
@@ -98,7 +98,8 @@ def real_base(model: str) -> StudyBase:
     # RevFFN's defaults: the buffered coupling (stop 47), full fine-tuning of the whole layers with the routers frozen,
     # at full's LRs, from the base itself (nothing to calibrate). The additive coupling trains from the study's one
     # conversion (REAL_CONVERT) at an order above: --set revffn.coupling=additive --lr-grid revffn=1e-4,3e-4 (frozen
-    # adapters, stop 46); docs/study_smollm2.md ran it with the adapters trained and float32 streams at 1e-5 and 3e-5
+    # adapters, stop 46); docs/study_smollm2_additive.md ran it with the adapters trained and float32 streams at 1e-5
+    # and 3e-5
     return StudyBase(model, "builtin:pydoc_text", "builtin:smollm2_probes", REAL_CONVERT,
                      {"revffn": {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True}})
 

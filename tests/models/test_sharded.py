@@ -104,6 +104,22 @@ def test_buffers_the_checkpoint_holds_load_as_from_pretrained(tmp_path, model_ty
     assert all(torch.equal(a, b) for a, b in zip(hf.parameters(), ref.parameters()))
 
 
+def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
+    """`to_empty` on an unsharded model makes a parameter per name, so a tied head would come back as a second,
+    never-loaded tensor; `materialize` ties it again (under FSDP2 the tie holds already: the sharded tests)."""
+    path = str(_tiny_checkpoint(tmp_path / "ckpt", "qwen2_moe", tie_word_embeddings=True))
+    hf = meta_hf(path, torch.float32)
+    assert hf.lm_head.weight is hf.get_input_embeddings().weight
+    slots = parameter_slots(hf)
+    materialize(hf, torch.device("cpu"))
+    assert hf.lm_head.weight is hf.get_input_embeddings().weight
+    load_shards(slots, hf.config, path, torch.float32)
+    check_loaded(hf)
+    ref = load_hf(path, dtype=torch.float32)
+    ours = dict(hf.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(ours[k], v) for k, v in ref.named_parameters(remove_duplicate=False))
+
+
 def test_a_scratch_with_fewer_experts_only_where_the_arch_builds_one():
     """A rank's experts are stacked onto a copy of the model with that many; Jamba builds a dense MLP for one
     expert, so a rank holding one reads all of them (the old route) instead of leaving its rows unloaded."""
