@@ -233,11 +233,12 @@ def cmd_estimate(args) -> int:
 def cmd_convert(args) -> int:
     from revffn.training.export import HEAL_TARGET, ConvertSpec, run_convert
 
-    spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens, args.heal_steps,
-                       args.heal_data, args.heal_batch_size, args.heal_lr, args.heal_norms, args.heal_hidden_coef,
-                       adapter_skip=not args.no_adapter_skip, eval_data=args.eval_data,
-                       heal_eval_steps=args.heal_eval_steps, stream_dtype=args.stream_dtype, seed=args.seed,
-                       overwrite=args.overwrite, stream_width=args.stream_width, device=args.device,
+    spec = ConvertSpec(args.model, args.out, args.calibration_data, args.calibration_tokens,
+                       heal_steps=args.heal_steps, heal_data=args.heal_data, heal_batch_size=args.heal_batch_size,
+                       heal_lr=args.heal_lr, heal_warmup_steps=args.heal_warmup_steps, heal_norms=args.heal_norms,
+                       heal_hidden_coef=args.heal_hidden_coef, adapter_skip=not args.no_adapter_skip,
+                       eval_data=args.eval_data, heal_eval_steps=args.heal_eval_steps, stream_dtype=args.stream_dtype,
+                       seed=args.seed, overwrite=args.overwrite, stream_width=args.stream_width, device=args.device,
                        coupling=args.coupling, buffer_momentum=args.buffer_momentum,
                        **({"buffer_bits": args.buffer_bits} if args.buffer_bits else {}))
     manifest = run_convert(spec)
@@ -493,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--heal-batch-size", type=_positive, default=8, help="rows of 128 tokens per heal step")
     k.add_argument("--heal-lr", type=_heal_lr, default=None, help="heal AdamW peak LR (cosine to a tenth); auto "
                    "(the default): the best of one AdamW-sized step at 1e-6 ... 1e-3, scored on a second heal batch")
+    k.add_argument("--heal-warmup-steps", type=_nonnegative, default=None, help="linear LR warm-up steps (default: "
+                   "a tenth of --heal-steps, at least 20 and at most half)")
     k.add_argument("--heal-norms", action="store_true", help="train the blocks' RMSNorm weights in the heal too")
     k.add_argument("--heal-hidden-coef", type=_nonnegative_float, default=0.0, help="add this x the per-layer "
                    "hidden-state MSE to the heal's KL (0: none; > 0 runs the plain twin, more activation memory)")

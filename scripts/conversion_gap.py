@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION  # the calibrated init's default text
+from revffn.training.export import heal_warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 32768  # calibration tokens: 256 rows x 128
@@ -110,7 +111,11 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
             "heal_data": src[heal] if heal else DEFAULT_CALIBRATION, "adapter_skip": skip, "stream_width": width,
             "heal_lr": (None if heal_lr == "auto" else float(heal_lr)) if heal else None}
-    if not (done.is_file() and all(json.loads(done.read_text())["convert"].get(k) == v for k, v in want.items())):
+    def reusable(m: dict) -> bool:  # converted before with these flags (and, healed, under today's warm-up rule)
+        return all(m["convert"].get(k) == v for k, v in want.items()) and (
+            not heal or (m["heal"] or {}).get("warmup_steps") == heal_warmup(steps))
+
+    if not (done.is_file() and reusable(json.loads(done.read_text()))):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
         if proc.returncode != 0:
             return {"name": name, "status": f"exit {proc.returncode}", "error": proc.stderr[-2000:]}
@@ -119,7 +124,8 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     row = {"name": name, "status": "ok", "adapter_skip": skip, "stream_width": width, "calibration_data": calibration,
            "calibration_tokens": cal["tokens"], "heal_data": heal, "heal_steps": steps if heal else 0,
            "heal_lr": hl["lr"] if hl else None, "tokens_to_target": hl.get("tokens_to_target") if hl else None,
-           "heal_curve": hl.get("curve") if hl else None,
+           "heal_curve": hl.get("curve") if hl else None, "heal_warmup": hl.get("warmup_steps") if hl else None,
+           "heal_kl_max_over_first": hl["kl_max"] / hl["kl_first"] if hl else None,
            "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
            "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
            "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
@@ -188,6 +194,8 @@ def render(data: dict) -> str:
             tail = ""
         cal = f"{r['calibration_data']} ({r['calibration_tokens']} tok)" if "calibration_data" in r else "–"
         heal = (f"{r['heal_data']}, {r['heal_steps']} steps" + (f", lr {r['heal_lr']:g}" if r.get("heal_lr") else "")
+                + (f", warm-up {r['heal_warmup']}" if r.get("heal_warmup") is not None else "")
+                + (f"; KL max {r['heal_kl_max_over_first']:.2f}x first" if r.get("heal_kl_max_over_first") else "")
                 if r.get("heal_data") else "–")
         rss = f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" if "peak_rss_bytes" in r else "–"
         cs = f"{r['calibration_s']:.0f}" if "calibration_s" in r else "–"

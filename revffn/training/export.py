@@ -66,6 +66,7 @@ class ConvertSpec:
     heal_data: str = DEFAULT_CALIBRATION
     heal_batch_size: int = 8
     heal_lr: float | None = None  # None: `probe_heal_lr` picks it (--heal-lr auto)
+    heal_warmup_steps: int | None = None  # None: `heal_warmup`'s rule
     heal_norms: bool = False
     heal_hidden_coef: float = 0.0
     adapter_skip: bool = True
@@ -113,6 +114,9 @@ def validate(spec: ConvertSpec):
     if spec.buffer_momentum not in MOMENTUM_SIGNS:
         raise UserError(f"--buffer-momentum: unknown momentum {spec.buffer_momentum!r}. Fix: one of "
                         f"{', '.join(MOMENTUM_SIGNS)}.")
+    if spec.heal_warmup_steps is not None and spec.heal_warmup_steps > spec.heal_steps:
+        raise UserError(f"--heal-warmup-steps {spec.heal_warmup_steps}: more than --heal-steps {spec.heal_steps}, so "
+                        "the heal would never reach its LR. Fix: at most --heal-steps, or drop it (the default rule).")
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
@@ -182,13 +186,29 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     return manifest
 
 
+HEAL_WARMUP_FLOOR = 20
+"""The fewest warm-up steps a heal gets (unless that is more than half of it). On the full-width calibrated
+SmolLM2 at lr 1e-4 the largest logged KL was 2.46x the first with 4 warm-up steps, 2.1x with 6, 1.29x with 20 and
+1.26x with 16 (docs/conversion.md): a tenth of a short heal is too short for adapters whose inputs span
+rms 0.017 to 2085, since AdamW's first steps move every weight by about the LR whatever its gradient's scale."""
+
+
+def heal_warmup(steps: int, asked: int | None = None) -> int:
+    """The heal's linear warm-up in steps: `asked` (--heal-warmup-steps), else a tenth of the heal but at least
+    HEAL_WARMUP_FLOOR steps and at most half of it (at least 1)."""
+    if asked is not None:
+        return asked
+    return min(max(steps // 10, HEAL_WARMUP_FLOOR), max(steps // 2, 1))
+
+
 def heal_config(spec: ConvertSpec, lr: float):
     """The training run `--heal-steps` is: the revffn method's stage 1 for all of its steps (a heal only, no
-    stage 2) at `lr` (its peak), with a linear warm-up over the first tenth and cosine to a tenth, clipped at 1."""
+    stage 2) at `lr` (its peak), with a linear warm-up (`heal_warmup`) and cosine to a tenth, clipped at 1."""
     steps, quoted = spec.heal_steps, json.dumps  # a JSON string is a YAML string: paths stay paths
     return load_config(None, [
         f"model={quoted(spec.model)}", "method=revffn", f"max_steps={steps}", f"seed={spec.seed}", "dtype=float32",
-        f"learning_rate={lr}", f"warmup_steps={max(steps // 10, 1)}", "lr_scheduler_type=cosine",
+        f"learning_rate={lr}", f"warmup_steps={heal_warmup(steps, spec.heal_warmup_steps)}",
+        "lr_scheduler_type=cosine",
         "min_lr_ratio=0.1", "max_grad_norm=1.0", "weight_decay=0.0",
         f"per_device_train_batch_size={spec.heal_batch_size}", "gradient_accumulation_steps=1", "output_dir=unused",
         "revffn.coupling=additive", f"revffn.adapter_warmup_steps={steps}",
@@ -270,7 +290,7 @@ def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_lo
             "AdamW-sized step " + ", ".join(f"{lr:g}: {kl:.3g}" for lr, kl in probe["kl_after"].items()) + ")")
     lr = run.cfg.learning_rate
     log(f"healing the adapters: {spec.heal_steps} steps x {spec.heal_batch_size} x 128 tokens of {spec.heal_data}, "
-        f"lr {lr:g}")
+        f"lr {lr:g} (warm-up {run.cfg.warmup_steps} steps)")
     t0, kls, tokens, curve = time.perf_counter(), [], 0, []
     every = max(1, min(50, spec.heal_steps // 10))  # a log line per tenth of the heal, at most every 50 steps
     with progress("heal", "step", spec.heal_steps) as bar:
@@ -291,7 +311,8 @@ def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_lo
     model.eval()
     model.reversible = run.method.reversible  # (the plain twin ran a heal with --heal-hidden-coef)
     tail = kls[-10:]
-    report = {"steps": spec.heal_steps, "lr": lr, "lr_probe": probe, "train_norms": spec.heal_norms,
+    report = {"steps": spec.heal_steps, "lr": lr, "warmup_steps": run.cfg.warmup_steps, "lr_probe": probe,
+              "train_norms": spec.heal_norms,
               "hidden_coef": spec.heal_hidden_coef, "kl_first": kls[0], "kl_max": max(kls),
               "kl_last": sum(tail) / len(tail), "kl": [round(k, 5) for k in kls], "tokens": tokens,
               "wall_s": round(time.perf_counter() - t0, 2), "data": spec.heal_data,
