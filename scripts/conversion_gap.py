@@ -111,9 +111,10 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
     want = {"calibration_data": src[calibration], "calibration_tokens": tokens, "heal_steps": steps if heal else 0,
             "heal_data": src[heal] if heal else DEFAULT_CALIBRATION, "adapter_skip": skip, "stream_width": width,
             "heal_lr": (None if heal_lr == "auto" else float(heal_lr)) if heal else None}
-    def reusable(m: dict) -> bool:  # converted before with these flags (and, healed, under today's warm-up rule)
+    def reusable(m: dict) -> bool:  # converted before with these flags and, healed, the warm-up today's rule gives
+        old_rule = max(steps // 10, 1)  # (a manifest before the warm-up's floor, stop 54, names none: a tenth's)
         return all(m["convert"].get(k) == v for k, v in want.items()) and (
-            not heal or (m["heal"] or {}).get("warmup_steps") == heal_warmup(steps))
+            not heal or (m["heal"] or {}).get("warmup_steps", old_rule) == heal_warmup(steps))
 
     if not (done.is_file() and reusable(json.loads(done.read_text()))):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)  # not done before (a rerun resumes)
