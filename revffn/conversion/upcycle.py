@@ -158,6 +158,23 @@ def max_logit_delta(dense, moe, vocab: int, seed: int = 0, batch: int = 2, seq: 
     return (a - b).abs().max().item()
 
 
+def save_here(model, out: Path) -> None:
+    """`model.save_pretrained(out)` from whichever process calls it. Cache entries (`models.cache`) are built by
+    the process holding their file lock, which under torchrun may be any rank; transformers (5.25) writes nothing
+    off rank 0 once a process group exists (`should_save_on_this_rank`), which left an entry of tokenizer files
+    only. Raises RuntimeError if config.json was still not written."""
+    if hasattr(model, "should_save_on_this_rank"):
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance, this call
+        try:
+            model.save_pretrained(out)
+        finally:
+            del model.should_save_on_this_rank
+    else:
+        model.save_pretrained(out)
+    if not (Path(out) / "config.json").is_file():
+        raise RuntimeError(f"save_pretrained wrote no config.json into {out}")
+
+
 def upcycle_into(model: str, src: Path, out: Path, experts: int, top_k: int, arch: str = "mixtral", seed: int = 0,
                  key: str = "model", renormalize: bool = True) -> dict:
     """Upcycle model reference `model`, resolved to the HF directory `src`, into the empty directory `out`: the
@@ -183,7 +200,7 @@ def upcycle_into(model: str, src: Path, out: Path, experts: int, top_k: int, arc
         manifest = {"format": "hf", "upcycled_from": model, "arch": arch, "experts": experts, "top_k": top_k,
                     "router_std": ROUTER_STD, "seed": seed, "max_abs_dlogit": delta, "tolerance": TOLERANCE,
                     "parameters": sum(p.numel() for p in moe.parameters())}
-        moe.save_pretrained(out)
+        save_here(moe, out)
         AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
         if dense.generation_config is not None:
             dense.generation_config.save_pretrained(out)

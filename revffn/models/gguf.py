@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from revffn.conversion.upcycle import save_here
 from revffn.errors import UserError, one_line
 
 SUFFIX = ".gguf"
@@ -113,7 +114,7 @@ def materialize(path: Path, out: Path, key: str = "model") -> None:
     model.load_state_dict(quantized.state_dict(), assign=True, strict=True)
     model.tie_weights()
     model.config.name_or_path = path.stem
-    model.save_pretrained(out)
+    save_here(model, out)  # (any rank of a torchrun job may build the cache)
     tokenizer.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)

@@ -152,3 +152,46 @@ def test_overwrite_replaces_only_a_model_directory_revffn_wrote(tmp_path, capsys
     assert main(["convert", "tiny-qwen2-moe", "--out", str(tmp_path / "thesis"), "--overwrite"]) == 2
     assert "not a model directory revffn wrote" in capsys.readouterr().err
     assert (tmp_path / "thesis" / "ch1.tex").read_text() == "keep"
+
+
+def _save_on_rank(rank: int, port: int, out: str) -> None:
+    """A gloo rank of two: rank 1 saves a tiny model with plain save_pretrained and with save_here."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from revffn.conversion.upcycle import save_here
+    from revffn.models.presets import tiny_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            model = tiny_model("tiny-mixtral")
+            model.save_pretrained(Path(out) / "plain")
+            save_here(model, Path(out) / "here")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_a_cache_entry_built_off_rank_0_of_a_process_group_is_written_whole(tmp_path):
+    """The file lock of a cache entry (`models.cache`) can fall to any torchrun rank; save_here writes the model
+    there, where transformers' own save_pretrained may write nothing (it did in 5.25: an entry of tokenizer files
+    only, found by a clean-clone run of test_sharded's real-model test)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_save_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    here = tmp_path / "here"
+    assert (here / "config.json").is_file() and any(here.glob("*.safetensors"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(here)
+    assert loaded.config.model_type == "mixtral"
+    if hasattr(transformers.PreTrainedModel, "should_save_on_this_rank"):  # the failure it guards against
+        assert not (tmp_path / "plain" / "config.json").exists()
