@@ -200,13 +200,13 @@ def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
     return [counts["embed"], *layers, counts["head"] + m.d]
 
 
-def load_group_params(m: Dims, world_size: int) -> int:
-    """The most parameters a rank reads whole and converts at once when it loads shard by shard
-    (`models.sharded.load_shards`): one MoE layer's experts, only the ceil(E / world) a rank holds (transformers
-    stacks them from per-expert tensors); every other tensor is read by rows, each rank its own. The estimate
-    counts them three times: as read, as stacked and as concatenated (gate and up) while the read ones live."""
-    own = -(-m.experts // world_size)
-    return max((own * 3 * m.d * m.moe_inter for i in range(m.layers) if m.moe[i]), default=0)
+def load_buffer_params(m: Dims, world_size: int) -> int:
+    """The most elements a rank holds beyond its shards while it loads shard by shard (`models.sharded.load_shards`):
+    every tensor, the per-expert ones included, is read straight into the rank's shards; only a checkpoint stored in
+    another dtype passes through a buffer to be cast, one tensor at a time: the rank's rows of the largest one (the
+    embedding, or a dense MLP's projection) or one expert's matrix (an expert is never split between ranks)."""
+    rows = -(-max(m.vocab, m.dense_inter if not all(m.moe) else 0) // world_size) * m.d
+    return max(rows, m.d * m.moe_inter if any(m.moe) else 0)
 
 
 # -- what a method's terms are computed from, and what they are -----------------------------------
@@ -381,15 +381,15 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
     # the loading route (`training.step.build_run`): under FSDP, for a method that prepares a model without weights,
-    # each rank holds its shards plus one layer's own experts read whole and converted (`models.sharded`);
-    # otherwise every process builds, converts and prepares the whole model on its host
+    # each rank holds its shards, read straight into them, plus one tensor's buffer where the checkpoint's dtype
+    # is another (`models.sharded`); otherwise every process builds, converts and prepares the whole model on its host
     sharded_load = distributed == "fsdp" and method.META_PREPARE and not terms.loads_whole
     if sharded_load:
-        host_load = math.ceil(total_params * s / world_size) + 3 * load_group_params(m, world_size) * s
+        host_load = math.ceil(total_params * s / world_size) + load_buffer_params(m, world_size) * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, its 1/{world_size} of "
-                     "the weights plus one layer's experts of its own three times, as read, stacked and "
-                     "concatenated: the model is built on the meta device and each rank reads only its rows and "
-                     "its experts")
+                     "the weights plus, where the checkpoint is stored in another dtype, one tensor's rows read "
+                     "into a buffer to be cast: the model is built on the meta device and each rank reads only its "
+                     "rows and its experts, straight into its shards")
     else:
         host_load = total_params * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "

@@ -137,6 +137,12 @@ class Method:
         checkpoint is loaded: the weights `prepare` made, if it made them on the meta device, and work on the
         loaded weights. Default: nothing. (RevFFN: its adapters' init and calibration on a sharded load.)"""
 
+    def after_load_runs_model(self) -> bool:
+        """Whether `after_load` calls the model's modules (RevFFN's calibration and stream choice): under FSDP the
+        root (embeddings, final norm, head) is all-gathered for it and resharded after. Default: False, and the
+        root is gathered first by the first step's forward."""
+        return False
+
     @classmethod
     def check_data(cls, cfg, items: list) -> None:
         """Before the run writes anything: what the method needs of the tokenized training set (`items`;

@@ -310,6 +310,11 @@ class RevFFNMethod(Method):
         return (self.META_PREPARE and opts["adapter_init"] != "random" and not opts["heal_norms"]
                 and not (opts["distill_coef"] > 0 and opts["distill_teacher"] == "copy"))
 
+    def after_load_runs_model(self) -> bool:
+        """The additive coupling's `after_load` runs the model (calibration, the streams' choice); the buffered one
+        only sets its kernels."""
+        return self.opts["coupling"] != "buffered"
+
     def after_load(self, model) -> None:
         """A model converted on the meta device: its adapters' init, then the calibration (collective under FSDP:
         every rank passes over its share of the rows, each unit all-gathered as it runs). Then, on every model,

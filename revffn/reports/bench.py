@@ -315,7 +315,11 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
         ranks = row.get("ranks") or [row]
         for r in ranks:  # what the process holds from step to step
             r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
+            if "load_s" in r:  # its own start-up: less the wait for the peers' imports (`workers.bench.peer_wait_s`)
+                r["load_work_s"] = r["load_s"] - r.get("load_wait_s", 0.0)
         row["static_bytes"] = max(r["static_bytes"] for r in ranks)
+        if "load_s" in row and row.get("ranks"):
+            row["load_work_s"] = max(r["load_work_s"] for r in ranks)
         if one is not None and one.get("status") == "ok":
             for r in [row, *row["ranks"]]:
                 r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
@@ -323,6 +327,7 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
                 if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
                     r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
                     r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
+                    r["load_work_s_vs_one_process"] = r["load_work_s"] / one["load_s"]
     row.update(estimate_fields(args))
     if one is not None:
         row["one_process"] = one

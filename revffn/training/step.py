@@ -50,7 +50,16 @@ from revffn.data.collate import data_shard
 from revffn.methods import Method, method_class
 from revffn.methods.base import TokenSum
 from revffn.models.loading import load_hf
-from revffn.models.sharded import check_loaded, load_shards, materialize, meta_hf, parameter_slots, sharded_loadable
+from revffn.models.sharded import (
+    check_loaded,
+    conversion,
+    load_shards,
+    mark_unloaded,
+    materialize,
+    meta_hf,
+    parameter_slots,
+    sharded_loadable,
+)
 from revffn.training.config import TrainConfig
 from revffn.training.optim import InBackward, build_optimizer, drop_parameters, set_lr
 from revffn.training.parallel import DDPModel, shard_model, unshard_root
@@ -119,27 +128,30 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
                                                                                                    overrides)
     if on_meta:  # built and converted without weights, sharded, then each rank reads its own shards
         hf = meta_hf(cfg.model, weights_dtype, **overrides)
-        slots = parameter_slots(hf)
+        slots, mapping = parameter_slots(hf), conversion(hf)  # the HF model's names, before `prepare` moves them
     elif hf is None:
         hf = load_hf(cfg.model, dtype=weights_dtype, seed=cfg.seed, **overrides)
     model = method.prepare(hf)
 
+    pending: list[str] = []  # the parameters the checkpoint does not hold: `after_load` sets them
+
     def read_shards(sharded: nn.Module) -> None:  # each rank its own rows, one layer of the checkpoint at a time
-        materialize(sharded, device)
-        load_shards(slots, hf.config, cfg.model, weights_dtype)
+        materialize(sharded, device, fill=False)
+        pending[:] = mark_unloaded(sharded, slots, load_shards(slots, hf.config, cfg.model, weights_dtype, mapping))
 
     if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
         shard_model(model, method.fsdp_units(model), device, read_shards if on_meta else None)
         for frozen in method.frozen_copies():  # e.g. a teacher copy: sharded like the model, not whole per rank
             shard_model(frozen, method.fsdp_units(frozen), device)
     model = model.to(device)
-    if strategy == "fsdp":  # the method may call the root's modules (embeddings, final norm, head) directly
+    gather = strategy == "fsdp" and method.after_load_runs_model()
+    if gather:  # the method may call the root's modules (embeddings, final norm, head) directly
         unshard_root(model)
     method.after_load(model)  # e.g. RevFFN's adapters, built on meta: their init and calibration
-    if strategy == "fsdp":
+    if gather:
         model.reshard()
     if on_meta:
-        check_loaded(model)
+        check_loaded(model, pending)
     model.train()
     params = method.optimizer_parameters(model)
     autocast = functools.partial(torch.autocast, device.type, dtype=autocast_dtype) if autocast_dtype \

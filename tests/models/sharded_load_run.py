@@ -1,7 +1,8 @@
 """Under torchrun (2 ranks, gloo): `build_run` under FSDP2 with sharded loading (the model built on the meta
 device, each rank reading its own rows) and with the model loaded whole on every rank; writes, from rank 0,
 each parameter's largest difference between the two (all-gathered), whether their buffers are equal, which
-route each build took, and which experts' tensors each rank read from the checkpoint.
+route each build took, which experts' tensors each rank read from the checkpoint, and which of them it read for
+transformers' converter (the others straight into its shards).
 
     torchrun --nproc-per-node 2 tests/models/sharded_load_run.py OUT.json MODEL METHOD [KEY=VALUE ...]
 """
@@ -31,18 +32,30 @@ def main(out: str, model: str, method: str, *extra: str) -> None:
                              "distributed=fsdp", "output_dir=/nonexistent", *extra])
     device = torch.device("cpu")
     init_distributed("fsdp", device, 120)
-    read, whole_read = set(), sharded_loading._read
+    read, converted = set(), set()
+    whole_read, read_into = sharded_loading._read, sharded_loading._Stored.read_into
 
-    def counted(where, **kwargs):  # the experts whose tensors this rank reads whole
-        read.update(int(m.group(1)) for keys in where.values() for k in keys
-                    if (m := re.search(r"\.experts\.(\d+)\.", k)))
-        return whole_read(where, **kwargs)
+    def expert(key: str, into: set) -> None:
+        if m := re.search(r"\.experts\.(\d+)\.", key):
+            into.add(int(m.group(1)))
 
-    sharded_loading._read = counted
+    def counted(where, *args, **kwargs):  # the experts whose tensors this rank reads whole, for transformers' converter
+        for keys in where.values():
+            for k in keys:
+                expert(k, read)
+                expert(k, converted)
+        return whole_read(where, *args, **kwargs)
+
+    def counted_into(stored, key, dest, rows=None):  # or straight into its shards
+        expert(key, read)
+        return read_into(stored, key, dest, rows)
+
+    sharded_loading._read, sharded_loading._Stored.read_into = counted, counted_into
     sharded = build_run(cfg, device, strategy="fsdp")
-    sharded_loading._read = whole_read
-    experts = [None, None]
+    sharded_loading._read, sharded_loading._Stored.read_into = whole_read, read_into
+    experts, by_converter = [None, None], [None, None]
     torch.distributed.all_gather_object(experts, sorted(read))
+    torch.distributed.all_gather_object(by_converter, sorted(converted))
     from torch.distributed.tensor import DTensor
 
     routes = {"loading": sharded.loading, "dtensors": all(isinstance(p, DTensor) for p in sharded.model.parameters())}
@@ -54,6 +67,7 @@ def main(out: str, model: str, method: str, *extra: str) -> None:
         diff = {k: (one[k] - other[k]).abs().max().item() if one[k].numel() else 0.0 for k in other}
         buffers = dict(whole.model.named_buffers())
         json.dump({"keys_equal": sorted(one) == sorted(other), "diff": diff, "routes": routes, "experts_read": experts,
+                   "experts_converted": by_converter,
                    "buffers_equal": all(torch.equal(b, buffers[k]) for k, b in sharded.model.named_buffers()),
                    "bitwise": all(torch.equal(one[k], other[k]) for k in other)}, open(out, "w"))
     torch.distributed.destroy_process_group()

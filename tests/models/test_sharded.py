@@ -104,6 +104,54 @@ def test_buffers_the_checkpoint_holds_load_as_from_pretrained(tmp_path, model_ty
     assert all(torch.equal(a, b) for a, b in zip(hf.parameters(), ref.parameters()))
 
 
+def test_a_checkpoint_in_another_dtype_reads_straight_into_the_model_and_casts(tmp_path, monkeypatch):
+    """A bf16 checkpoint loaded in fp32, one process: the tensors only renamed are read straight into the model's
+    and cast there, as `from_pretrained` casts them; the experts (not sharded: one process) through transformers'
+    converter. Every parameter equals `from_pretrained`'s."""
+    from transformers import AutoModelForCausalLM
+
+    from revffn.models import sharded
+
+    path = _tiny_checkpoint(tmp_path / "ckpt", "qwen2_moe")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    path = str(tmp_path / "bf16")
+    direct, read_into = [], sharded._Stored.read_into
+    monkeypatch.setattr(sharded._Stored, "read_into",
+                        lambda self, key, *a, **k: (direct.append(key), read_into(self, key, *a, **k)))
+    hf = meta_hf(path, torch.float32)
+    slots = parameter_slots(hf)
+    materialize(hf, torch.device("cpu"))
+    written = load_shards(slots, hf.config, path, torch.float32)
+    check_loaded(hf)
+    assert any(k.endswith("q_proj.weight") for k in direct) and not any(".experts." in k for k in direct)
+    assert written >= {name for name, _ in hf.named_parameters()}
+    ref = load_hf(path, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(hf.parameters(), ref.parameters()))
+
+
+def test_parameters_the_checkpoint_lacks_are_marked_for_after_load():
+    """`mark_unloaded` NaN-fills only what the load did not write; `check_loaded` then finds any of them that
+    `after_load` left unset, and only those are scanned."""
+    from revffn.models.sharded import mark_unloaded
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    slots = parameter_slots(model)
+    materialize(model, torch.device("cpu"), fill=False)
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.fill_(float("nan"))  # a loaded value that is NaN is the checkpoint's, not checked
+    pending = mark_unloaded(model, slots, {"0.weight", "0.bias"})
+    assert pending == ["1.weight", "1.bias"] and model[1].weight.isnan().all()
+    with torch.no_grad():
+        model[1].weight.zero_()
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) without a value: 1.bias"):
+        check_loaded(model, pending)
+    with torch.no_grad():
+        model[1].bias.zero_()
+    check_loaded(model, pending)
+
+
 def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
     """`to_empty` on an unsharded model makes a parameter per name, so a tied head would come back as a second,
     never-loaded tensor; `materialize` ties it again (under FSDP2 the tie holds already: the sharded tests)."""
@@ -120,6 +168,26 @@ def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
     assert all(torch.equal(ours[k], v) for k, v in ref.named_parameters(remove_duplicate=False))
 
 
+def test_every_arch_built_on_meta_without_its_init_has_the_buffers_of_one_built_with_it():
+    """`_meta_model` skips transformers' weight init (it costs a rank start-up time on meta and sets no value):
+    the buffers it keeps real (rotary frequencies, router biases) must be those a model built with its init has."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from revffn.archs.architectures import ARCHITECTURES
+    from revffn.models.sharded import _meta_model
+    from revffn.models.tiny_any import tiny_config_for
+
+    for model_type in sorted(ARCHITECTURES):
+        config = tiny_config_for(model_type)
+        with init_empty_weights(include_buffers=False):
+            initialized = dict(AutoModelForCausalLM.from_config(config).named_buffers())
+        ours = dict(_meta_model(config, torch.float32).named_buffers())
+        assert ours.keys() == initialized.keys(), model_type
+        for name, b in ours.items():
+            assert not b.is_meta and torch.equal(b, initialized[name]), (model_type, name)
+
+
 def test_a_scratch_with_fewer_experts_only_where_the_arch_builds_one():
     """A rank's experts are stacked onto a copy of the model with that many; Jamba builds a dense MLP for one
     expert, so a rank holding one reads all of them (the old route) instead of leaving its rows unloaded."""
@@ -128,7 +196,7 @@ def test_a_scratch_with_fewer_experts_only_where_the_arch_builds_one():
 
     for model_type, held, built in [("jamba", 1, False), ("jamba", 2, True), ("lfm2_moe", 2, True)]:
         config = tiny_config_for(model_type)
-        whole = _meta_model(config, torch.float32, scratch=True)
+        whole = _meta_model(config, torch.float32)
         fused = {name: p.shape for name, p in whole.named_parameters() if ".experts." in name and p.dim() == 3}
         scratch = _expert_scratch(config, torch.float32, fused, held)
         assert (scratch is not None) == built, (model_type, held)
@@ -172,6 +240,7 @@ def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
     r = _two_ranks(tmp_path / "out.json", "builtin:base", method, *extra)
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["experts_read"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each rank its own 4 of the 8 experts' tensors
+    assert r["experts_converted"] == [[], []]  # read straight into the fused shards
     assert r["keys_equal"] and r["diff"]
     assert r["bitwise"], {k: v for k, v in r["diff"].items() if v}
 
@@ -184,6 +253,7 @@ def test_fsdp_sharded_load_of_the_real_moe_equals_the_whole_load(tmp_path):
     r = _two_ranks(tmp_path / "out.json", "builtin:smollm2-moe", "full", "model_config={num_hidden_layers: 2}")
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["experts_read"] == [[0, 1], [2, 3]]
+    assert r["experts_converted"] == [[], []]
     assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
 
 
@@ -195,6 +265,7 @@ def test_fsdp_sharded_load_of_an_uneven_expert_split_equals_the_whole_load(tmp_p
     r = _two_ranks(tmp_path / "out.json", str(path), "full")
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["experts_read"] == [[0, 1, 2], [3, 4]]
+    assert r["experts_converted"] == [[], []]
     assert r["keys_equal"] and r["bitwise"], {k: v for k, v in r["diff"].items() if v}
     assert r["buffers_equal"]
 

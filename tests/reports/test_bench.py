@@ -159,9 +159,15 @@ def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
             assert x["load_peak_rss_bytes"] >= x["baseline_rss_bytes"] and x["load_s"] > 0, x
         assert r["load_peak_rss_bytes"] == max(x["load_peak_rss_bytes"] for x in r["ranks"])
         assert r["load_s_vs_one_process"] == r["load_s"] / one["load_s"]
+        # a rank's wait for its peers' imports: the last rank to finish them waits for none
+        assert one["load_wait_s"] == 0.0 and min(x["load_wait_s"] for x in r["ranks"]) == 0.0
+        for x in r["ranks"]:
+            assert 0.0 <= x["load_wait_s"] < x["load_s"] and x["load_work_s"] == x["load_s"] - x["load_wait_s"]
+        assert r["load_work_s"] == max(x["load_work_s"] for x in r["ranks"])
+        assert r["load_work_s_vs_one_process"] == r["load_work_s"] / one["load_s"]
     md = (tmp_path / "bench.md").read_text()
     assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
-    assert "### Start-up per rank" in md
+    assert "### Start-up per rank" in md and "less the wait for the peers' imports" in md
 
 
 def test_a_failed_rank_fails_the_row_and_names_the_rank():

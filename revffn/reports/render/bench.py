@@ -175,6 +175,11 @@ def _ranked(data: dict) -> bool:
     return data["run_info"]["args"].get("nproc", 1) > 1
 
 
+def _each(row: dict, key: str) -> str:
+    """Each rank's `key` in seconds, rank 0 first."""
+    return " / ".join(f"{r[key]:.2f}" for r in row["ranks"])
+
+
 def _per_rank(row: dict, key: str) -> str:
     """'max (rank 0 / rank 1 / ...)' in MiB."""
     ranks = row.get("ranks") or []
@@ -198,7 +203,8 @@ def ranks_markdown(data: dict) -> str:
     load = ["", "### Start-up per rank: peak RSS from the process's start until the model is ready (built, "
             "prepared, sharded), and the time that took", "",
             f"| method | load peak MiB, 1 process | load peak MiB per rank: max ({ranks}) | ÷ 1 process | "
-            f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 6]
+            f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process | less the wait for the peers' imports: "
+            f"max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 8]
     speed = ["", "### Speed and saved-for-backward bytes", "",
              "| method | tokens/s, 1 process | tokens/s, all ranks | saved for backward MiB, 1 process | "
              "saved for backward MiB per rank: max |", "|---|" + "---:|" * 4]
@@ -215,10 +221,12 @@ def ranks_markdown(data: dict) -> str:
         by_kind.append(f"| {r['method']} | " + " | ".join(f"{_mib(one[k])} -> {_mib(r[k])} ({_ratio(r[k], one[k])})"
                                                          for k, _ in kinds) + " |")
         if r.get("load_rss_vs_one_process"):
-            each = " / ".join(f"{x['load_s']:.1f}" for x in r["ranks"])
+            work = (f"{r['load_work_s']:.2f} ({_each(r, 'load_work_s')}) | {r['load_work_s_vs_one_process']:.2f}"
+                    if "load_work_s_vs_one_process" in r else "– | –")  # (a bench.json from before the field)
             load.append(f"| {r['method']} | {_mib(one['load_peak_rss_bytes'])} | "
                         f"{_per_rank(r, 'load_peak_rss_bytes')} | {r['load_rss_vs_one_process']:.2f} | "
-                        f"{one['load_s']:.1f} | {r['load_s']:.1f} ({each}) | {r['load_s_vs_one_process']:.2f} |")
+                        f"{one['load_s']:.2f} | {r['load_s']:.2f} ({_each(r, 'load_s')}) | "
+                        f"{r['load_s_vs_one_process']:.2f} | {work} |")
         speed.append(f"| {r['method']} | {one['tokens_per_s']:.0f} ({one.get('threads')} threads) | "
                      f"{r['tokens_per_s']:.0f} ({r.get('threads')} threads each) | "
                      f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")

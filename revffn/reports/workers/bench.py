@@ -135,14 +135,24 @@ class _Probe:
         self.t1 = time.perf_counter()
 
 
+def peer_wait_s(started: float) -> float:
+    """How long this rank's start-up (from `started`, its wall clock once its imports were done) waited for the
+    last rank to finish its imports: the process group forms only when every rank has joined. The ranks of a
+    node share one clock; a rank's `load_s` less this is its own start-up work (and the process group's)."""
+    t = torch.tensor([started], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return max(0.0, t.item() - started)
+
+
 def measure(args: dict, baseline_rss: int | None = None) -> dict:
     """Build, warm up, time `steps` optimizer steps; the result row (without status handling)."""
-    t_build = time.perf_counter()
+    t_build, started = time.perf_counter(), time.time()
     method_class(args["method"], args.get("method_module"))  # a method registered outside the package
     cfg = train_config(args)
     device, weights_dtype, autocast_dtype = pick_device(cfg)
     strategy = pick_distributed(cfg)
     init_distributed(strategy, device, cfg.distributed_timeout)
+    wait_s = peer_wait_s(started) if strategy != "none" else 0.0
     rank = torch.distributed.get_rank() if strategy != "none" else 0
     # under FSDP a checkpoint loads shard by shard as training loads it (`models.sharded`); otherwise as it builds
     hf = None if strategy == "fsdp" and sharded_loadable(cfg.model, cfg.model_config) else \
@@ -162,7 +172,7 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
     build_s = time.perf_counter() - t_build
     # start-up: the process's peak RSS from its start until the model is built, prepared (calibrated) and sharded,
     # and the time that took (the process group, the build and the preparation; the imports before it)
-    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, loading=run.loading)
+    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, load_wait_s=wait_s, loading=run.loading)
     row["peak_since"] = "built" if reset_rss_peak() else "start"  # the steps' peak, as CUDA's after its reset
     first = run.method.steady_state_step()
     times, stages = [], []
