@@ -203,8 +203,9 @@ def unit_params(m: Dims, counts: dict[str, int]) -> list[int]:
 def load_buffer_params(m: Dims, world_size: int) -> int:
     """The most elements a rank holds beyond its shards while it loads shard by shard (`models.sharded.load_shards`):
     every tensor, the per-expert ones included, is read straight into the rank's shards; only a checkpoint stored in
-    another dtype passes through a buffer to be cast, one tensor at a time: the rank's rows of the largest one (the
-    embedding, or a dense MLP's projection) or one expert's matrix (an expert is never split between ranks)."""
+    another dtype, or shards on a GPU, pass through a host buffer, one tensor at a time: the rank's rows of the
+    largest one (the embedding, or a dense MLP's projection) or one expert's matrix (an expert is never split
+    between ranks)."""
     rows = -(-max(m.vocab, m.dense_inter if not all(m.moe) else 0) // world_size) * m.d
     return max(rows, m.d * m.moe_inter if any(m.moe) else 0)
 
@@ -381,15 +382,16 @@ def estimate(config, method: MemoryMethod, batch: int, seq: int, dtype: str = "f
                      "gradients moved to the host as produced (one tensor's on the device)")
         states, grads = 0, largest * a
     # the loading route (`training.step.build_run`): under FSDP, for a method that prepares a model without weights,
-    # each rank holds its shards, read straight into them, plus one tensor's buffer where the checkpoint's dtype
-    # is another (`models.sharded`); otherwise every process builds, converts and prepares the whole model on its host
+    # each rank holds its shards, read straight into them, plus one tensor's host buffer where the checkpoint's
+    # dtype is another or the shards are on a GPU (`models.sharded`); otherwise every process builds, converts and
+    # prepares the whole model on its host
     sharded_load = distributed == "fsdp" and method.META_PREPARE and not terms.loads_whole
     if sharded_load:
         host_load = math.ceil(total_params * s / world_size) + load_buffer_params(m, world_size) * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, its 1/{world_size} of "
-                     "the weights plus, where the checkpoint is stored in another dtype, one tensor's rows read "
-                     "into a buffer to be cast: the model is built on the meta device and each rank reads only its "
-                     "rows and its experts, straight into its shards")
+                     "the weights plus, where the checkpoint is stored in another dtype or the shards are on a GPU, "
+                     "one tensor's rows read into a host buffer: the model is built on the meta device and each "
+                     "rank reads only its rows and its experts, straight into its shards")
     else:
         host_load = total_params * s
         notes.append(f"host memory while loading: {host_load / 2**30:.2f} GiB per process, the whole model (and any "

@@ -138,10 +138,10 @@ class Method:
         loaded weights. Default: nothing. (RevFFN: its adapters' init and calibration on a sharded load.)"""
 
     def after_load_runs_model(self) -> bool:
-        """Whether `after_load` calls the model's modules (RevFFN's calibration and stream choice): under FSDP the
-        root (embeddings, final norm, head) is all-gathered for it and resharded after. Default: False, and the
-        root is gathered first by the first step's forward."""
-        return False
+        """Whether `after_load` may call the model's modules (RevFFN's calibration and stream choice): under FSDP
+        the root (embeddings, final norm, head) is all-gathered for it and resharded after; otherwise the first
+        step's forward gathers it. Default: whether the method has an `after_load` of its own."""
+        return type(self).after_load is not Method.after_load
 
     @classmethod
     def check_data(cls, cfg, items: list) -> None:

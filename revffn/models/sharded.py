@@ -9,9 +9,10 @@
 The route: every rank reads the checkpoint itself and keeps only its rows. The other standard route, rank 0
 reading and broadcasting (`set_model_state_dict(..., broadcast_from_rank0=True)`), has rank 0 hold the whole
 model on its host, so that its peak is the unsharded one; here each rank's peak is its shards (plus one tensor's
-rows in a buffer where the checkpoint's dtype is another; FSDP2 shards the fused experts by rows, expert by
-expert, so a rank reads only its own experts). The files are read through `pread`, not `mmap`: the page cache is
-shared by the ranks of a node, and no page of the file counts in a rank's resident memory.
+rows in a host buffer where the checkpoint's dtype is another or the shards are on a GPU; FSDP2 shards the fused
+experts by rows, expert by expert, so a rank reads only its own experts). The files are read through `pread`, not
+`mmap`: the page cache is shared by the ranks of a node, and no page of the file counts in a rank's resident
+memory.
 
 An HF checkpoint's keys become the model's through transformers' own renaming (`core_model_loading`). A tensor
 transformers only renames is read by rows, each rank its own, straight into its shard (one copy from the page
@@ -188,12 +189,11 @@ class _Stored:
         return self.header[key]["shape"]
 
     def fits(self, key: str, dest: torch.Tensor, rows: slice | None = None) -> bool:
-        """Whether `read_into(key, dest, rows)` can read it: `dest` contiguous host memory of the stored shape (of
-        `rows` of it), of a floating dtype where the stored one is (the cast `from_pretrained` makes), else the
-        same."""
+        """Whether `read_into(key, dest, rows)` can read it: `dest` contiguous, of the stored shape (of `rows` of
+        it), of a floating dtype where the stored one is (the cast `from_pretrained` makes), else the same."""
         info = self.header[key]
         shape, stored = info["shape"], _DTYPES.get(info["dtype"])
-        if not shape or stored is None or dest.device.type != "cpu" or not dest.is_contiguous() or (
+        if not shape or stored is None or not dest.is_contiguous() or (
                 stored != dest.dtype and not (stored.is_floating_point and dest.dtype.is_floating_point)):
             return False
         rows = rows or slice(0, shape[0])
@@ -201,13 +201,13 @@ class _Stored:
 
     def read_into(self, key: str, dest: torch.Tensor, rows: slice | None = None) -> None:
         """dest <- the stored tensor `key`, or its `rows` (`fits` must hold): read into `dest` itself, or, stored
-        in another dtype, into a buffer of that dtype cast into `dest`."""
+        in another dtype or `dest` on an accelerator, into a host buffer copied (and cast) into `dest`."""
         if dest.numel() == 0:
             return
         info = self.header[key]
         stored, dest = _DTYPES[info["dtype"]], dest.detach()
-        cast = stored != dest.dtype
-        into = torch.empty(dest.shape, dtype=stored) if cast else dest
+        cast = stored != dest.dtype or dest.device.type != "cpu"
+        into = torch.empty(dest.shape, dtype=stored, pin_memory=dest.device.type == "cuda") if cast else dest
         row_bytes = into.element_size() * math.prod(info["shape"][1:])
         offset = self.start + info["data_offsets"][0] + (rows.start if rows else 0) * row_bytes
         self._pread(key, into, offset)
@@ -246,8 +246,9 @@ def _read_experts(where: dict[Path, list[str]], rename, stacking: dict, slots: d
                   stored: dict[Path, _Stored]) -> set[str] | None:
     """A layer's per-expert tensors (`where`: only this rank's experts, `held` its rows of the fused experts) read
     straight into the fused shards: expert e's j-th tensor into rows e - held.start, at the offset of the tensors
-    before it. Returns the fused parameters' names; None, having read nothing, where a key is not so stacked, a
-    shape differs or a dtype cannot be cast, or the keys do not fill every row held (the converter's route then)."""
+    before it. Returns the fused parameters' names; None, having read nothing, where a key is not so stacked (no
+    arch transformers 5 fuses has another converter in a layer with per-expert tensors), a shape differs or a dtype
+    cannot be cast, or the keys do not fill every row held (the converter's route then, for the whole layer)."""
     plan, parts = [], defaultdict(dict)  # parts: fused name -> {(expert, place): (file, key)}
     for file, keys in where.items():
         for key in keys:

@@ -139,7 +139,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
         materialize(sharded, device, fill=False)
         pending[:] = mark_unloaded(sharded, slots, load_shards(slots, hf.config, cfg.model, weights_dtype, mapping))
 
-    if strategy == "fsdp":  # sharded on the host, each rank moves its shards to the device
+    if strategy == "fsdp":  # each rank's shards on the device: moved there, or (`read_shards`) allocated there
         shard_model(model, method.fsdp_units(model), device, read_shards if on_meta else None)
         for frozen in method.frozen_copies():  # e.g. a teacher copy: sharded like the model, not whole per rank
             shard_model(frozen, method.fsdp_units(frozen), device)

@@ -49,6 +49,24 @@ def test_the_methods_that_prepare_on_meta():
     assert not on_meta("method=revffn", "revffn.distill_coef=0.5")  # the teacher copy is of the calibrated model
 
 
+def test_the_root_is_gathered_for_after_load_only_where_it_may_run_the_model():
+    """Under FSDP `build_run` all-gathers the root (embeddings, head) for `after_load` only where it may call the
+    model's modules: RevFFN's additive coupling (calibration, the streams' choice), a method with an `after_load` of
+    its own; not `full`, nor the buffered coupling (nothing to calibrate)."""
+    def runs(*over):
+        cfg = load_config(None, list(over))
+        return method_class(cfg.method)(cfg).after_load_runs_model()
+
+    assert not runs("method=full") and not runs("method=revffn", "revffn.coupling=buffered")
+    assert runs("method=revffn", "revffn.coupling=additive")
+
+    class Own(method_class("full")):  # a method registered outside the package, say
+        def after_load(self, model):
+            pass
+
+    assert Own(load_config(None, ["method=full"])).after_load_runs_model()
+
+
 @pytest.mark.parametrize("layers", [4, 2])
 def test_meta_then_layer_by_layer_equals_from_pretrained(layers):
     """One process, no sharding: the loader's conversion (qwen2_moe's per-expert tensors stacked) and its

@@ -135,24 +135,27 @@ class _Probe:
         self.t1 = time.perf_counter()
 
 
-def peer_wait_s(started: float) -> float:
-    """How long this rank's start-up (from `started`, its wall clock once its imports were done) waited for the
-    last rank to finish its imports: the process group forms only when every rank has joined. The ranks of a
-    node share one clock; a rank's `load_s` less this is its own start-up work (and the process group's)."""
-    t = torch.tensor([started], dtype=torch.float64)
+def peer_wait_s(joining: float, device: torch.device) -> float:
+    """How long this rank waited in the process group's rendezvous for the last rank to join (`joining`: its wall
+    clock as it began to join): the ranks' imports end apart (5-6 s each on 2 shared CPU cores, up to 0.8 s
+    apart), and the group forms only when the last rank's have. A rank's `load_s` less this is its own start-up
+    work, the process group's included. One node's ranks share one clock; across nodes it is as good as their
+    clocks agree."""
+    t = torch.tensor([joining], dtype=torch.float64, device=device)  # NCCL's group holds no CPU tensors
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return max(0.0, t.item() - started)
+    return max(0.0, t.item() - joining)
 
 
 def measure(args: dict, baseline_rss: int | None = None) -> dict:
     """Build, warm up, time `steps` optimizer steps; the result row (without status handling)."""
-    t_build, started = time.perf_counter(), time.time()
+    t_build = time.perf_counter()
     method_class(args["method"], args.get("method_module"))  # a method registered outside the package
     cfg = train_config(args)
     device, weights_dtype, autocast_dtype = pick_device(cfg)
     strategy = pick_distributed(cfg)
+    joining = time.time()
     init_distributed(strategy, device, cfg.distributed_timeout)
-    wait_s = peer_wait_s(started) if strategy != "none" else 0.0
+    wait_s = peer_wait_s(joining, device) if strategy != "none" else 0.0
     rank = torch.distributed.get_rank() if strategy != "none" else 0
     # under FSDP a checkpoint loads shard by shard as training loads it (`models.sharded`); otherwise as it builds
     hf = None if strategy == "fsdp" and sharded_loadable(cfg.model, cfg.model_config) else \
