@@ -315,7 +315,7 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
         ranks = row.get("ranks") or [row]
         for r in ranks:  # what the process holds from step to step
             r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
-            if "load_s" in r:  # its own start-up: less the wait for the peers' imports (`workers.bench.peer_wait_s`)
+            if "load_s" in r:  # its own start-up: less its wait for the last rank to join (`workers.bench.peer_wait_s`)
                 r["load_work_s"] = r["load_s"] - r.get("load_wait_s", 0.0)
         row["static_bytes"] = max(r["static_bytes"] for r in ranks)
         if "load_s" in row and row.get("ranks"):

@@ -167,7 +167,7 @@ def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
         assert r["load_work_s_vs_one_process"] == r["load_work_s"] / one["load_s"]
     md = (tmp_path / "bench.md").read_text()
     assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
-    assert "### Start-up per rank" in md and "less the wait for the peers' imports" in md
+    assert "### Start-up per rank" in md and "less the wait for the last rank to join" in md
 
 
 def test_a_failed_rank_fails_the_row_and_names_the_rank():

@@ -203,8 +203,8 @@ def ranks_markdown(data: dict) -> str:
     load = ["", "### Start-up per rank: peak RSS from the process's start until the model is ready (built, "
             "prepared, sharded), and the time that took", "",
             f"| method | load peak MiB, 1 process | load peak MiB per rank: max ({ranks}) | ÷ 1 process | "
-            f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process | less the wait for the peers' imports: "
-            f"max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 8]
+            f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process | "
+            f"less the wait for the last rank to join: max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 8]
     speed = ["", "### Speed and saved-for-backward bytes", "",
              "| method | tokens/s, 1 process | tokens/s, all ranks | saved for backward MiB, 1 process | "
              "saved for backward MiB per rank: max |", "|---|" + "---:|" * 4]
