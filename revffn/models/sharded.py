@@ -26,7 +26,7 @@ rank reads only its rows of each tensor, and the result is bitwise what `models.
 
 Measured (docs/multi_gpu.md: `revffn bench --model builtin:smollm2-moe --methods full,revffn --nproc 2`, 2 CPU
 cores): reading through `safe_open`, stacking, NaN-filling and scanning made a rank's start-up 3.0-3.4 s; read
-straight into the shards it is about 0.9 s of work, of which about 0.45 s is the read itself.
+straight into the shards it is 0.65-0.77 s of work, of which 0.42 s is the read itself.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.M
     return _meta_model(stored_depth_config(path, **overrides), dtype)
 
 
-def materialize(model: nn.Module, device: torch.device, fill: bool = True) -> None:
-    """Allocate every (sharded) parameter of a meta-device `model` on `device`, filled with NaN so that one that is
-    never loaded shows (`check_loaded`); its buffers, real since `meta_hf`, keep their values. `fill=False`: left
-    as allocated, for a loader that marks what it did not load (`mark_unloaded`)."""
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate every (sharded) parameter of a meta-device `model` on `device`, its values left as allocated
+    (`load_shards` fills them; `mark_unloaded` NaN-fills the rest); its buffers, real since `meta_hf`, keep
+    their values."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     if meta := [name for name, b in buffers.items() if b.is_meta]:
         raise RuntimeError(f"sharded loading: buffers {meta} were built on the meta device and have no value")
@@ -114,8 +114,6 @@ def materialize(model: nn.Module, device: torch.device, fill: bool = True) -> No
             if model.get_parameter(name) is not shared:
                 setattr(model.get_submodule(owner), attr, shared)
     with torch.no_grad():
-        for p in model.parameters() if fill else ():
-            local(p).fill_(float("nan"))
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
 
@@ -506,9 +504,9 @@ def _convert_shards(slots: dict[str, tuple[nn.Module, str]], config, dtype: torc
 
 
 def mark_unloaded(model: nn.Module, slots: dict[str, tuple[nn.Module, str]], written: set[str]) -> list[str]:
-    """NaN-fill `model`'s parameters that `load_shards` did not write (materialized with `fill=False`), and return
-    their names: the method's `after_load` must set them (`check_loaded(model, names)`). The loaded ones are not
-    filled first: filling the whole model costs a pass over every shard for nothing."""
+    """NaN-fill `model`'s parameters that `load_shards` did not write (`written`), and return their names: the
+    method's `after_load` must set them (`check_loaded`). The loaded ones are not filled first: filling the whole
+    model costs a pass over every shard for nothing."""
     loaded = {id(_slot(slots, name)) for name in written}
     pending = []
     with torch.no_grad():
@@ -519,12 +517,11 @@ def mark_unloaded(model: nn.Module, slots: dict[str, tuple[nn.Module, str]], wri
     return pending
 
 
-def check_loaded(model: nn.Module, names: list[str] | None = None) -> None:
-    """Every parameter (of `names`, those `mark_unloaded` NaN-filled) holds a value (`materialize` NaN-filled them):
-    one the checkpoint and the method's `after_load` left out is an error, not silent garbage."""
-    chosen = None if names is None else set(names)
-    missing = [name for name, p in model.named_parameters()
-               if (chosen is None or name in chosen) and local(p).isnan().any()]
+def check_loaded(model: nn.Module, names: list[str]) -> None:
+    """Every parameter of `names` (those `mark_unloaded` NaN-filled) holds a value: one the checkpoint and the
+    method's `after_load` left out is an error, not silent garbage."""
+    chosen = set(names)
+    missing = [name for name, p in model.named_parameters() if name in chosen and local(p).isnan().any()]
     if missing:
         raise RuntimeError(f"sharded loading left {len(missing)} parameter(s) without a value: "
                            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -136,7 +136,7 @@ def build_run(cfg, device: torch.device, weights_dtype: torch.dtype = torch.floa
     pending: list[str] = []  # the parameters the checkpoint does not hold: `after_load` sets them
 
     def read_shards(sharded: nn.Module) -> None:  # each rank its own rows, one layer of the checkpoint at a time
-        materialize(sharded, device, fill=False)
+        materialize(sharded, device)
         pending[:] = mark_unloaded(sharded, slots, load_shards(slots, hf.config, cfg.model, weights_dtype, mapping))
 
     if strategy == "fsdp":  # each rank's shards on the device: moved there, or (`read_shards`) allocated there

@@ -17,7 +17,15 @@ from torch import nn
 
 from revffn.methods import method_class
 from revffn.models.loading import load_hf
-from revffn.models.sharded import check_loaded, load_shards, materialize, meta_hf, parameter_slots, sharded_loadable
+from revffn.models.sharded import (
+    check_loaded,
+    load_shards,
+    mark_unloaded,
+    materialize,
+    meta_hf,
+    parameter_slots,
+    sharded_loadable,
+)
 from revffn.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,8 +83,7 @@ def test_meta_then_layer_by_layer_equals_from_pretrained(layers):
     assert all(p.is_meta for p in hf.parameters()) and not any(b.is_meta for b in hf.buffers())
     slots = parameter_slots(hf)
     materialize(hf, torch.device("cpu"))
-    load_shards(slots, hf.config, "builtin:base", torch.float32)
-    check_loaded(hf)
+    check_loaded(hf, mark_unloaded(hf, slots, load_shards(slots, hf.config, "builtin:base", torch.float32)))
     ref = load_hf("builtin:base", dtype=torch.float32, num_hidden_layers=layers)
     ours, theirs = dict(hf.named_parameters()), dict(ref.named_parameters())
     assert ours.keys() == theirs.keys()
@@ -112,8 +119,7 @@ def test_buffers_the_checkpoint_holds_load_as_from_pretrained(tmp_path, model_ty
     hf = meta_hf(path, torch.float32)
     slots = parameter_slots(hf)
     materialize(hf, torch.device("cpu"))
-    load_shards(slots, hf.config, path, torch.float32)
-    check_loaded(hf)
+    check_loaded(hf, mark_unloaded(hf, slots, load_shards(slots, hf.config, path, torch.float32)))
     ref = load_hf(path, dtype=torch.float32)
     theirs = dict(ref.named_buffers())
     biases = [name for name in theirs if name.endswith("bias")]
@@ -140,7 +146,7 @@ def test_a_checkpoint_in_another_dtype_reads_straight_into_the_model_and_casts(t
     slots = parameter_slots(hf)
     materialize(hf, torch.device("cpu"))
     written = load_shards(slots, hf.config, path, torch.float32)
-    check_loaded(hf)
+    check_loaded(hf, mark_unloaded(hf, slots, written))
     assert any(k.endswith("q_proj.weight") for k in direct) and not any(".experts." in k for k in direct)
     assert written >= {name for name, _ in hf.named_parameters()}
     ref = load_hf(path, dtype=torch.float32)
@@ -150,12 +156,10 @@ def test_a_checkpoint_in_another_dtype_reads_straight_into_the_model_and_casts(t
 def test_parameters_the_checkpoint_lacks_are_marked_for_after_load():
     """`mark_unloaded` NaN-fills only what the load did not write; `check_loaded` then finds any of them that
     `after_load` left unset, and only those are scanned."""
-    from revffn.models.sharded import mark_unloaded
-
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     slots = parameter_slots(model)
-    materialize(model, torch.device("cpu"), fill=False)
+    materialize(model, torch.device("cpu"))
     with torch.no_grad():
         model[0].weight.fill_(1.0)
         model[0].bias.fill_(float("nan"))  # a loaded value that is NaN is the checkpoint's, not checked
@@ -179,8 +183,7 @@ def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
     slots = parameter_slots(hf)
     materialize(hf, torch.device("cpu"))
     assert hf.lm_head.weight is hf.get_input_embeddings().weight
-    load_shards(slots, hf.config, path, torch.float32)
-    check_loaded(hf)
+    check_loaded(hf, mark_unloaded(hf, slots, load_shards(slots, hf.config, path, torch.float32)))
     ref = load_hf(path, dtype=torch.float32)
     ours = dict(hf.named_parameters(remove_duplicate=False))
     assert all(torch.equal(ours[k], v) for k, v in ref.named_parameters(remove_duplicate=False))
@@ -225,12 +228,13 @@ def test_a_parameter_left_unloaded_is_an_error():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     materialize(model, torch.device("cpu"))
+    pending = mark_unloaded(model, parameter_slots(model), set())  # nothing loaded: every one NaN-filled
     with torch.no_grad():
         model[0].weight.zero_()
         model[0].bias.zero_()
         model[1].weight.zero_()
     with pytest.raises(RuntimeError, match=r"1 parameter\(s\) without a value: 1.bias"):
-        check_loaded(model)
+        check_loaded(model, pending)
 
 
 def _free_port() -> int:
