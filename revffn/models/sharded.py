@@ -2,7 +2,7 @@
 
     meta_hf(model)      the HF model (or the converted model) with its parameters on the meta device, buffers real
     (the method converts it, still on meta; the loop shards it: `training.step.build_run`)
-    materialize(model)  each rank allocates its own shards and gets its buffers back
+    materialize(model)  each rank allocates its own shards (advised into huge pages) and gets its buffers back
     load_shards(hf)     each rank fills its shards from the safetensors, one layer at a time
     mark_unloaded       what it did not fill is NaN-filled, for the method's `after_load` (`check_loaded`)
 
@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import functools
 import json
 import math
 import os
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -116,6 +119,32 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
+    for p in {id(p): p for p in model.parameters()}.values():  # untouched yet: `load_shards` writes each page once
+        huge_pages(local(p))
+
+
+_HUGE = 2 << 20  # a transparent huge page on x86-64 (and arm64 with 4 KiB base pages)
+_MADV_HUGEPAGE = 14
+
+
+def huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside `t`'s host memory with transparent huge pages
+    (`madvise(MADV_HUGEPAGE)`; it changes nothing where `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or
+    `never`, or off Linux). Only pages not yet touched are affected: the first write into a fresh shard then faults
+    once every 2 MiB instead of every 4 KiB. Reading a rank's 0.75 GB of `builtin:smollm2-moe` took 0.36-0.47 s
+    with it against 0.65 s without (2 CPU cores). Whether the advice was taken."""
+    nbytes = t.numel() * t.element_size()
+    start = -(-t.data_ptr() // _HUGE) * _HUGE
+    end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
+    libc = _libc()
+    if t.device.type != "cpu" or end <= start or libc is None:
+        return False
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from revffn.methods import method_class
 from revffn.models.loading import load_hf
 from revffn.models.sharded import (
     check_loaded,
+    huge_pages,
     load_shards,
     mark_unloaded,
     materialize,
@@ -187,6 +188,32 @@ def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
     ref = load_hf(path, dtype=torch.float32)
     ours = dict(hf.named_parameters(remove_duplicate=False))
     assert all(torch.equal(ours[k], v) for k, v in ref.named_parameters(remove_duplicate=False))
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file()
+                    or "[madvise]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="transparent huge pages on advice (madvise) only: Linux with THP set so")
+def test_fresh_shards_are_written_into_huge_pages():
+    """`materialize` advises each fresh shard into transparent huge pages before `load_shards` writes it: the same
+    tensor written without the advice gets none, with it some (where the kernel has free 2 MiB blocks: all)."""
+    size = 16 << 20
+    plain, advised = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    assert huge_pages(advised) and not huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole inside
+    plain.fill_(1), advised.fill_(1)
+    assert _anon_huge_kib(plain.data_ptr() + size // 2) == 0
+    assert _anon_huge_kib(advised.data_ptr() + size // 2) >= 2048
 
 
 def test_every_arch_built_on_meta_without_its_init_has_the_buffers_of_one_built_with_it():
