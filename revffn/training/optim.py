@@ -11,7 +11,9 @@
 - ``optimizer_offload: cpu`` (CUDA only): torchao's `CPUOffloadOptimizer` keeps the states, and the
   step, on the host; gradients are moved to the host as they are produced (`offload_gradients`), so
   the device holds one tensor's gradient at a time, as with ``optimizer_in_backward`` (which it
-  subsumes: with offload, the flag changes nothing; the host step runs after the backward).
+  subsumes: with offload, the flag changes nothing; the host step runs after the backward). `Offloaded`
+  wraps it: a chunked recompute's partial gradients do not fire its hook (which would overwrite the host
+  gradient with the last chunk's), and `max_grad_norm` clips the host gradients.
 
 ``optimizer_in_backward: true`` steps every parameter as soon as its gradient is complete
 (`Tensor.register_post_accumulate_grad_hook`: one optimizer per parameter, as PyTorch's
@@ -129,9 +131,80 @@ def build_optimizer(cfg, params: list[nn.Parameter], partial: PartialGradients |
                           partial)
     groups = decay_groups(params, cfg.weight_decay)
     if cfg.optimizer_offload == "cpu":
-        return _torchao_optim().CPUOffloadOptimizer(groups, cls, offload_gradients=True, lr=cfg.learning_rate,
-                                                    **kwargs)
+        return Offloaded(_torchao_optim().CPUOffloadOptimizer(groups, cls, offload_gradients=True,
+                                                              lr=cfg.learning_rate, **kwargs), partial)
     return cls(groups, lr=cfg.learning_rate, **kwargs)
+
+
+class Offloaded:
+    """torchao's `CPUOffloadOptimizer` (`offload_gradients=True`) as the loop needs it.
+
+    - Its gradient hook copies each parameter's gradient to the host and frees it, so a second gradient of the
+      same backward would overwrite the first: a chunked recompute's partial gradients (`PartialGradients`) are
+      therefore added without firing hooks (`hookless`, as under DDP), and the hook sees each complete gradient
+      once.
+    - The large parameters' gradients live on the host once the backward ends (the device holds none), so
+      `clip_grad_norm` clips there: the global norm over the host gradients and the small parameters' device
+      gradients, as `torch.nn.utils.clip_grad_norm_` computes it over the whole model.
+    - `state`: each device parameter's state (held on the host for the large ones), as any optimizer's.
+    """
+
+    def __init__(self, inner, partial: PartialGradients | None = None):
+        self.inner = inner
+        if partial is not None:
+            partial.hookless = True
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        small = self.inner.d_opt.state if self.inner.d_opt is not None else {}
+        return {**{p: opt.state[self.inner.param_d2h_map[p]] for p, opt in self.inner.optim_dict.items()
+                   if self.inner.param_d2h_map[p] in opt.state}, **small}
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Every gradient of this step, where it is now: the host copies of the large parameters' (once their
+        transfers are done) and the small parameters' on the device."""
+        host = []
+        for p, done in self.inner.queue.items():
+            done.synchronize()
+            host.append(self.inner.param_d2h_map[p].grad)
+        small = [p.grad for g in self.inner.d_param_groups for p in g["params"] if p.grad is not None]
+        return host + small
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient of the step to a global norm of `max_norm` (0: no clipping); the norm before."""
+        return clip_grads(self.gradients(), max_norm)
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def clip_grads(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over gradients that may sit on several devices (the host and a GPU):
+    each device's sum of squares in float32, the global norm on the host, every gradient scaled in place by
+    min(1, max_norm / (norm + 1e-6)) (0: none). Returns the norm before clipping."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    squares = [torch.stack([g.detach().float().square().sum() for g in gs]).sum().cpu() for gs in by_device.values()]
+    norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+    return norm
 
 
 class InBackward:

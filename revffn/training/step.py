@@ -61,7 +61,7 @@ from revffn.models.sharded import (
     sharded_loadable,
 )
 from revffn.training.config import TrainConfig
-from revffn.training.optim import InBackward, build_optimizer, drop_parameters, set_lr
+from revffn.training.optim import InBackward, Offloaded, build_optimizer, drop_parameters, set_lr
 from revffn.training.parallel import DDPModel, shard_model, unshard_root
 from revffn.training.schedule import lr_at
 
@@ -238,6 +238,8 @@ def train_step(run: Run, step: int, micro_batches: list[dict],
         after_backward()
     if isinstance(optimizer, InBackward):  # stepped and clipped per parameter during backward
         grad_norm = optimizer.grad_norm()
+    elif isinstance(optimizer, Offloaded):  # the large parameters' gradients are on the host by now
+        grad_norm = optimizer.clip_grad_norm(cfg.max_grad_norm)
     else:
         trainable = [p for p in run.params if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from revffn.cli import main
+from revffn.training import optim
 from revffn.training.config import load_config
-from revffn.training.optim import InBackward, build_optimizer, decay_groups
+from revffn.training.optim import InBackward, Offloaded, build_optimizer, clip_grads, decay_groups
 from revffn.training.step import build_run, train_step
 
 
@@ -79,6 +80,97 @@ def test_in_backward_step_equals_the_ordinary_step(method, extra, one_thread):
     assert worst <= 1e-6, worst
     assert any(not torch.equal(got[n], ref[n]) for n in ref) or worst == 0  # compared, not skipped
     assert norms == pytest.approx(ref_norms, rel=1e-5)  # the logged global norm, before any clipping
+
+
+class _Moved:
+    """A finished host transfer (torchao records a CUDA event)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostOffload:
+    """torchao's `CPUOffloadOptimizer(..., offload_gradients=True)` on the CPU (which it refuses: CUDA only), as
+    torchao 0.18 writes it less the streams: a parameter of `minimal_size` elements or more gets a host copy, its
+    own optimizer and a post-accumulate-grad hook that copies `.grad` into the host copy's gradient and frees it;
+    the small ones stay with one optimizer on the device; `step` steps the queued host copies and copies them back."""
+
+    def __init__(self, params, optimizer_class, *, offload_gradients: bool, minimal_size: int = 4096, **kwargs):
+        assert offload_gradients
+        self.param_d2h_map, self.optim_dict, self.queue, self.d_param_groups = {}, {}, {}, []
+        for group in params:
+            group, small = dict(group), []
+            for p in group.pop("params"):
+                if p.numel() < minimal_size:
+                    small.append(p)
+                    continue
+                host = p.detach().clone()
+                host.grad = torch.empty_like(host)
+                self.param_d2h_map[p] = host
+                p.register_post_accumulate_grad_hook(self._moved)
+                self.optim_dict[p] = optimizer_class([{"params": host, **group}], **kwargs)
+            if small:
+                self.d_param_groups.append({"params": small, **group})
+        self.d_opt = optimizer_class(self.d_param_groups, **kwargs) if self.d_param_groups else None
+
+    def _moved(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.param_d2h_map[p].grad.copy_(p.grad)
+            self.queue.pop(p, None)
+            self.queue[p] = _Moved()
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.d_opt is not None:
+            self.d_opt.step()
+        for p in self.queue:
+            self.optim_dict[p].step()
+            p.copy_(self.param_d2h_map[p])
+        self.queue.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_d2h_map:
+            p.grad = None
+        if self.d_opt is not None:
+            self.d_opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return sum((o.param_groups for o in self.optim_dict.values()), start=self.d_param_groups)
+
+
+def test_clip_grads_equals_torch_clip_grad_norm():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g) * 10, torch.randn(2, 2, 2, generator=g)]
+    ref = [x.clone() for x in grads]
+    params = [nn.Parameter(torch.zeros_like(x)) for x in ref]
+    for p, x in zip(params, ref):
+        p.grad = x
+    ref_norm = torch.nn.utils.clip_grad_norm_(params, 2.0)
+    norm = clip_grads(grads, 2.0)
+    assert norm == pytest.approx(ref_norm.item(), rel=1e-6) and norm > 2.0  # it clipped
+    assert all(torch.allclose(x, p.grad, rtol=1e-6, atol=0) for x, p in zip(grads, params))
+    assert clip_grads([x.clone() for x in grads], 0).item() == pytest.approx(2.0, rel=1e-5)  # 0: measured only
+
+
+def test_offloaded_optimizer_equals_the_ordinary_step_through_a_chunked_recompute(monkeypatch, one_thread):
+    """fp32, AdamW, clipping on: torchao's offload (its hook contract, on the CPU) trains the buffered RevFFN with a
+    chunked recompute to the weights of the ordinary optimizer. Its hook overwrites the host gradient each time it
+    fires, so each parameter's partial chunks must not fire it (`Offloaded` sets `hookless`), and the clipping must
+    see the host gradients (the device holds none of the large parameters' after the backward)."""
+    torchao_optim = type("torchao_optim", (), {"CPUOffloadOptimizer": _HostOffload})
+    monkeypatch.setattr(optim, "_torchao_optim", lambda: torchao_optim)
+    extra = ["max_grad_norm=0.5", "revffn.recompute_chunk_tokens=7"]
+    ref, ref_norms, _ = _weights_after("revffn", 3, *extra)
+    got, norms, run = _weights_after("revffn", 3, "optimizer_offload=cpu", *extra)
+    assert isinstance(run.optimizer, Offloaded) and run.optimizer.inner.param_d2h_map  # large parameters offloaded
+    assert run.model.last_stack_stats.get("recompute_chunks")  # the chunked path ran
+    assert min(ref_norms) > 0.5  # every step clipped
+    worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst <= 1e-6, worst
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert set(run.optimizer.state) == {p for p in run.params if p.requires_grad}  # each one's state, by the device's
 
 
 def test_in_backward_clips_each_parameter_by_its_share_of_the_norm(one_thread):
