@@ -28,6 +28,7 @@ from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import UserError
+from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
 def _positive(s: str) -> int:
@@ -598,6 +599,11 @@ def quiet_known_noise() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
+    # cuBLAS reads its workspace setting once, at a process's first matmul, which convert's and the study's base
+    # evaluations run before a model with the buffered coupling asks for it
+    # (`reversible.buffered.deterministic_kernels`): set here, for this process and the workers it starts; no
+    # effect off CUDA
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if "TRANSFORMERS_VERBOSITY" not in os.environ:  # transformers is imported already (revffn/__init__): set it
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # for child processes too
         from transformers.utils import logging as hf_logging

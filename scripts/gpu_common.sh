@@ -8,6 +8,8 @@ DEST="${OUT:-runs/$NAME}"
 mkdir -p "$DEST"
 LOG="$DEST/$NAME.log"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# cuBLAS reads it at its first matmul: set before any process starts (the buffered coupling's bitwise recompute)
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 PY="${PYTHON:-python3}"
 
 log() { echo "[$NAME $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }

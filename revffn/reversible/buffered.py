@@ -37,6 +37,7 @@ are the reference for them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -57,14 +58,24 @@ MOMENTUM_SIGNS = {"positive": 1, "negative": -1}
 DEFAULT_MOMENTUM = "positive"
 
 
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace setting (PyTorch's reproducibility notes)
+
+
 def deterministic_kernels(device: torch.device) -> None:
     """What the bitwise recompute needs of a CUDA device, process-wide: deterministic algorithms (an MoE's index_add_
-    accumulates with atomics otherwise; warn_only, so an op without a deterministic kernel warns rather than stops)
-    and cuBLAS's deterministic workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` unless set; read when cuBLAS first
-    runs, so call this before the first matmul). Elsewhere nothing to do: CPU kernels recompute bitwise."""
+    accumulates with atomics otherwise; warn_only, so an op without a deterministic kernel warns rather than stops),
+    without the NaN-fill of every `torch.empty` that deterministic mode adds (the recompute reads no memory it has
+    not written; the fill would slow only the buffered coupling's runs), and cuBLAS's deterministic workspace
+    (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads once, at the process's first matmul: `revffn.cli.main` sets it
+    at start, before anything runs a model; here it is set for a process that did not start there). Elsewhere
+    nothing to do: CPU kernels recompute bitwise."""
     if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        with contextlib.suppress(ImportError):  # torch >= 2.2
+            from torch.utils import deterministic
+
+            deterministic.fill_uninitialized_memory = False
 
 
 class RebuildError(RuntimeError):

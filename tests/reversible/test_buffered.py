@@ -205,18 +205,41 @@ def test_a_layer_beyond_the_fixed_point_range_gives_a_nan_loss_not_garbage():
 
 def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
     """The bitwise recompute on CUDA needs deterministic algorithms (an MoE's index_add_ uses atomics otherwise) and
-    cuBLAS's deterministic workspace; a user's own CUBLAS_WORKSPACE_CONFIG is kept; the CPU changes nothing."""
+    cuBLAS's deterministic workspace; a user's own CUBLAS_WORKSPACE_CONFIG is kept; deterministic mode's NaN-fill of
+    fresh memory is left off (it slowed only the buffered runs); the CPU changes nothing."""
+    from torch.utils import deterministic
+
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = deterministic.fill_uninitialized_memory
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
         torch.use_deterministic_algorithms(False)
+        deterministic.fill_uninitialized_memory = True
         deterministic_kernels(torch.device("cpu"))
         assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        assert deterministic.fill_uninitialized_memory
         deterministic_kernels(torch.device("cuda"))
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not deterministic.fill_uninitialized_memory
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
         deterministic_kernels(torch.device("cuda"))
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
+        deterministic.fill_uninitialized_memory = fill
+
+
+def test_the_cli_sets_cublas_workspace_before_anything_runs(monkeypatch, capsys):
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at the first matmul, and `revffn convert` / the study evaluate
+    the base before the buffered coupling asks for it: the CLI sets it at start (inherited by its workers), and keeps
+    a user's own."""
+    from revffn.cli import main
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with pytest.raises(SystemExit):  # no command: argparse's usage error, after the start-up
+        main([])
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with pytest.raises(SystemExit):
+        main([])
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
