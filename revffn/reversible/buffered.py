@@ -185,10 +185,28 @@ def _piece(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
 
+def attention_kernels(device: torch.device):
+    """The attention kernels a layer may use on `device`, the same in the forward (no grad) and in the backward's
+    recompute (grad): on CUDA, PyTorch's flash, memory-efficient or math SDPA, not cuDNN's. PyTorch 2.11+ prefers
+    cuDNN attention on Hopper, whose forward is another execution plan when the logsumexp is kept for a backward
+    (so not shown to be bitwise the no-grad one), and whose backward gave NaN with an attention mask at some lengths
+    (pytorch/pytorch#196678). Elsewhere nothing changes. Not yet run on a GPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | None = None) -> torch.Tensor:
-    """D(x) = F(x) + G(x + F(x)): the decoder layer's update, its branches as the block runs them, by `_spans`. With
-    `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the RNG state each drew from; no choices).
-    Adds the router's logits to the load-balancing sum."""
+    """D(x) = F(x) + G(x + F(x)): the decoder layer's update, its branches as the block runs them, by `_spans`
+    (under `attention_kernels`). With `records`, one [F's, G's] `SubBlockRecord` pair a span is appended (the RNG
+    state each drew from; no choices). Adds the router's logits to the load-balancing sum."""
+    with attention_kernels(x.device):
+        return _layer_update(block, x, sctx, records)
+
+
+def _layer_update(block, x: torch.Tensor, sctx: StackContext, records: list | None) -> torch.Tensor:
     spans = _spans(block, x, sctx)
     d = x if len(spans) == 1 else torch.empty_like(x)
     logits = []

@@ -16,6 +16,7 @@ from revffn.reports.check import make_batch, run_check
 from revffn.reversible.buffered import (
     DEFAULT_MOMENTUM,
     RebuildError,
+    attention_kernels,
     deterministic_kernels,
     pack_low_bits,
     unpack_low_bits,
@@ -227,6 +228,19 @@ def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
         deterministic.fill_uninitialized_memory = fill
+
+
+def test_cuda_layers_use_one_set_of_attention_kernels_and_the_cpu_is_left_alone():
+    """On CUDA a layer's forward and its recompute run under the same SDPA choice, cuDNN's excluded (its plan with
+    the logsumexp kept for a backward is another than without); on the CPU the flags are not touched."""
+    before = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()]
+    with attention_kernels(torch.device("cpu")):
+        assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()] == before
+    with attention_kernels(torch.device("cuda")):  # flags only: no GPU needed to read them
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()] == before
 
 
 def test_the_cli_sets_cublas_workspace_before_anything_runs(monkeypatch, capsys):
