@@ -137,7 +137,7 @@ def huge_pages(t: torch.Tensor) -> bool:
     start = -(-t.data_ptr() // _HUGE) * _HUGE
     end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
     libc = _libc()
-    if t.device.type != "cpu" or end <= start or libc is None:
+    if t.device.type != "cpu" or not t.is_contiguous() or end <= start or libc is None:  # only memory `t` spans
         return False
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
 

@@ -93,6 +93,9 @@ def check_optimizer(cfg, device: torch.device, weights_dtype: torch.dtype, metho
     if cfg.optimizer_offload == "cpu" and device.type != "cuda":
         raise UserError("optimizer_offload: cpu moves optimizer states from the GPU to the host; this run is on "
                         f"{device.type}, where they already are in host memory. Fix: optimizer_offload=none.")
+    if cfg.optimizer_offload == "cpu" and method_cls is not None and method_cls.name == "hift":
+        raise UserError("optimizer_offload: cpu keeps each large parameter's optimizer state on the host, where HiFT "
+                        "cannot move the states of its resting groups. Fix: optimizer_offload=none with method=hift.")
     if cfg.optimizer_offload == "cpu" and cfg.gradient_accumulation_steps > 1:
         raise UserError(f"optimizer_offload: cpu moves each gradient to the host as it is produced (torchao's "
                         f"offload_gradients), so it cannot accumulate {cfg.gradient_accumulation_steps} micro-batches. "
@@ -188,7 +191,13 @@ class Offloaded:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """The states, and the host copies brought to the device parameters: torchao copies each parameter to the
+        host once, when it is built, and each step writes the host copy back, so a resume (the model loaded first,
+        `training.checkpoint.load_checkpoint`) would otherwise go on from the weights before the checkpoint."""
         self.inner.load_state_dict(state)
+        with torch.no_grad():
+            for p, host in self.inner.param_d2h_map.items():
+                host.copy_(p.detach())
 
 
 def clip_grads(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -198,12 +207,13 @@ def clip_grads(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    squares = [torch.stack([g.detach().float().square().sum() for g in gs]).sum().cpu() for gs in by_device.values()]
+    squares = [torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in gs]).square().sum()
+               .cpu() for gs in by_device.values()]
     norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(scale.to(g.device, g.dtype))
+            g.mul_(scale.to(g.device))
     return norm
 
 

@@ -5,6 +5,7 @@ the method's adapters (RevFFN's calibration included) and the tied embeddings eq
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import subprocess
@@ -190,30 +191,43 @@ def test_materialize_keeps_a_tied_head_without_fsdp(tmp_path):
     assert all(torch.equal(ours[k], v) for k, v in ref.named_parameters(remove_duplicate=False))
 
 
-def _anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
+def _mapping(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address` (AnonHugePages, VmFlags, ...)."""
+    fields, inside = {}, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside and ":" in line:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
 
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file()
                     or "[madvise]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
                     reason="transparent huge pages on advice (madvise) only: Linux with THP set so")
 def test_fresh_shards_are_written_into_huge_pages():
-    """`materialize` advises each fresh shard into transparent huge pages before `load_shards` writes it: the same
-    tensor written without the advice gets none, with it some (where the kernel has free 2 MiB blocks: all)."""
+    """`huge_pages`, which `materialize` calls on each fresh shard before `load_shards` writes it: memory written after
+    the advice is backed by huge pages, the same memory written without it by none. Each tensor has a fresh mapping
+    of its own (a heap block may sit in memory advised before); a strided view is not advised (only what it spans)."""
     size = 16 << 20
-    plain, advised = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
-    assert huge_pages(advised) and not huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole inside
-    plain.fill_(1), advised.fill_(1)
-    assert _anon_huge_kib(plain.data_ptr() + size // 2) == 0
-    assert _anon_huge_kib(advised.data_ptr() + size // 2) >= 2048
+    maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE) for _ in range(2)]  # private: anonymous THP, not shmem
+    plain, advised = (torch.frombuffer(m, dtype=torch.uint8) for m in maps)
+    try:
+        assert huge_pages(advised) and not huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole inside
+        assert not huge_pages(advised[: 4 << 20].view(1, -1).expand(4, -1))
+        plain.fill_(1), advised.fill_(1)
+        plain_map, advised_map = (_mapping(t.data_ptr() + size // 2) for t in (plain, advised))
+        assert "hg" in advised_map["VmFlags"].split() and "hg" not in plain_map["VmFlags"].split()  # the advice
+        assert plain_map["AnonHugePages"] == "0 kB"
+        if advised_map["AnonHugePages"] == "0 kB":
+            pytest.skip("the kernel had no free 2 MiB block for the advised memory (fragmented)")
+    finally:
+        del plain, advised
+        for m in maps:
+            m.close()
 
 
 def test_every_arch_built_on_meta_without_its_init_has_the_buffers_of_one_built_with_it():

@@ -3,6 +3,7 @@ the optimizer choices and the in-backward step, through the real training step."
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -101,6 +102,8 @@ class _HostOffload:
         for group in params:
             group, small = dict(group), []
             for p in group.pop("params"):
+                if not p.requires_grad:
+                    continue
                 if p.numel() < minimal_size:
                     small.append(p)
                     continue
@@ -139,6 +142,16 @@ class _HostOffload:
     def param_groups(self) -> list[dict]:
         return sum((o.param_groups for o in self.optim_dict.values()), start=self.d_param_groups)
 
+    def state_dict(self) -> dict:
+        return {"offloaded": [o.state_dict() for o in self.optim_dict.values()],
+                **({"on-device": self.d_opt.state_dict()} if self.d_opt is not None else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, s in zip(self.optim_dict.values(), state["offloaded"]):
+            o.load_state_dict(s)
+        if self.d_opt is not None:
+            self.d_opt.load_state_dict(state["on-device"])
+
 
 def test_clip_grads_equals_torch_clip_grad_norm():
     g = torch.Generator().manual_seed(0)
@@ -154,13 +167,49 @@ def test_clip_grads_equals_torch_clip_grad_norm():
     assert clip_grads([x.clone() for x in grads], 0).item() == pytest.approx(2.0, rel=1e-5)  # 0: measured only
 
 
+def _host_offload(monkeypatch) -> None:
+    torchao_optim = type("torchao_optim", (), {"CPUOffloadOptimizer": _HostOffload})
+    monkeypatch.setattr(optim, "_torchao_optim", lambda: torchao_optim)
+
+
+def test_offloaded_optimizer_resumes_from_the_loaded_weights(monkeypatch, one_thread):
+    """torchao copies each large parameter to the host once, when built, and every step writes that copy back: a
+    run resumed as the loop resumes (build, load the model, then the optimizer's state) steps on as the run that
+    never stopped did, not from the weights it was built with."""
+    _host_offload(monkeypatch)
+    args = [*TINY, "method=revffn", "optimizer_offload=cpu", "max_grad_norm=0.5"]
+    ref = build_run(load_config(None, args), torch.device("cpu"))
+    for s in range(2):
+        train_step(ref, s, [_batch(s)])
+    weights = {n: p.detach().clone() for n, p in ref.model.state_dict().items()}
+    state = copy.deepcopy(ref.optimizer.state_dict())
+    train_step(ref, 2, [_batch(2)])
+    resumed = build_run(load_config(None, args), torch.device("cpu"))
+    resumed.model.load_state_dict(weights)
+    resumed.optimizer.load_state_dict(state)
+    train_step(resumed, 2, [_batch(2)])
+    got = dict(resumed.model.named_parameters())
+    worst = max((got[n] - p).abs().max().item() for n, p in ref.model.named_parameters())
+    assert worst <= 1e-6, worst
+
+
+def test_hift_with_offload_is_a_config_error():
+    """HiFT moves its resting groups' optimizer states off the device; torchao's host states cannot be moved."""
+    from revffn.errors import UserError
+    from revffn.methods import method_class
+    from revffn.training.optim import check_optimizer
+
+    cfg = load_config(None, [*TINY[:2], "method=hift", "optimizer_offload=cpu"])
+    with pytest.raises(UserError, match="optimizer_offload=none with method=hift"):
+        check_optimizer(cfg, torch.device("cuda"), torch.float32, method_class("hift"))
+
+
 def test_offloaded_optimizer_equals_the_ordinary_step_through_a_chunked_recompute(monkeypatch, one_thread):
     """fp32, AdamW, clipping on: torchao's offload (its hook contract, on the CPU) trains the buffered RevFFN with a
     chunked recompute to the weights of the ordinary optimizer. Its hook overwrites the host gradient each time it
     fires, so each parameter's partial chunks must not fire it (`Offloaded` sets `hookless`), and the clipping must
     see the host gradients (the device holds none of the large parameters' after the backward)."""
-    torchao_optim = type("torchao_optim", (), {"CPUOffloadOptimizer": _HostOffload})
-    monkeypatch.setattr(optim, "_torchao_optim", lambda: torchao_optim)
+    _host_offload(monkeypatch)
     extra = ["max_grad_norm=0.5", "revffn.recompute_chunk_tokens=7"]
     ref, ref_norms, _ = _weights_after("revffn", 3, *extra)
     got, norms, run = _weights_after("revffn", 3, "optimizer_offload=cpu", *extra)
