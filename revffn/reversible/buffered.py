@@ -186,11 +186,11 @@ def _piece(t: torch.Tensor, rows: slice | None) -> torch.Tensor:
 
 
 def attention_kernels(device: torch.device):
-    """The attention kernels a layer may use on `device`, the same in the forward (no grad) and in the backward's
-    recompute (grad): on CUDA, PyTorch's flash, memory-efficient or math SDPA, not cuDNN's. PyTorch 2.11+ prefers
-    cuDNN attention on Hopper, whose forward is another execution plan when the logsumexp is kept for a backward
-    (so not shown to be bitwise the no-grad one), and whose backward gave NaN with an attention mask at some lengths
-    (pytorch/pytorch#196678). Elsewhere nothing changes. Not yet run on a GPU."""
+    """The attention kernels a layer may use on `device`, the same in the forward (no grad, `layer_update`) and in
+    the backward's recompute (grad, `invert_layer`): on CUDA, PyTorch's flash, memory-efficient or math SDPA, not
+    cuDNN's. PyTorch 2.11+ prefers cuDNN attention on Hopper, whose forward is another execution plan when the
+    logsumexp is kept for a backward (so not shown to be bitwise the no-grad one), and whose backward gave NaN with
+    an attention mask at some lengths (pytorch/pytorch#196678). Elsewhere nothing changes. Not yet run on a GPU."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -248,7 +248,7 @@ def invert_layer(block, v: torch.Tensor, b: torch.Tensor, sctx: StackContext, re
     spans = _spans(block, b, sctx)
     for i, ((rows, cctx), recs) in enumerate(zip(spans, records)):
         at = slice(None) if rows is None else rows
-        with torch.enable_grad() if grads is not None else torch.no_grad():
+        with torch.enable_grad() if grads is not None else torch.no_grad(), attention_kernels(b.device):
             x = stream_values(b[at], dtype).requires_grad_(grads is not None)
             with _replaying_rng(recs[0], cctx):
                 f = block.F(x, cctx)

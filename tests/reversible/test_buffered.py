@@ -243,6 +243,23 @@ def test_cuda_layers_use_one_set_of_attention_kernels_and_the_cpu_is_left_alone(
     assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()] == before
 
 
+def test_every_layer_runs_under_the_attention_kernels_in_forward_and_recompute(monkeypatch):
+    """Each layer's forward (`layer_update`, no grad) and its recompute in the backward (`invert_layer`, grad) run
+    under `attention_kernels`: both see the same SDPA choice. (The recompute did not, until this test.)"""
+    from revffn.reversible import buffered
+
+    model, (ids, mask, labels) = _model(layers=3)
+    seen = []
+
+    def kernels(device):
+        seen.append(torch.is_grad_enabled())
+        return attention_kernels(device)
+
+    monkeypatch.setattr(buffered, "attention_kernels", kernels)
+    model(ids, attention_mask=mask, labels=labels, return_logits=False).loss.backward()
+    assert seen.count(False) == 3 and seen.count(True) == 3  # each layer once without grad, once with
+
+
 def test_the_cli_sets_cublas_workspace_before_anything_runs(monkeypatch, capsys):
     """cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at the first matmul, and `revffn convert` / the study evaluate
     the base before the buffered coupling asks for it: the CLI sets it at start (inherited by its workers), and keeps
