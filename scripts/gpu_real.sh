@@ -32,7 +32,7 @@ MOE="${MOE:-builtin:smollm2-moe}"; DENSE="${DENSE:-builtin:smollm2}"
 HEAL_STEPS="${HEAL_STEPS:-400}"; STUDY_STEPS="${STUDY_STEPS:-200}"; DEVICE="${DEVICE:-cuda}"; QUICK=(); ROWS=()
 STUDY_HEAL="${STUDY_HEAL:-0}"; JOBS="${JOBS:-3}"; HEAL_FLAG=()
 read -r -a STUDY_ARGS <<<"${STUDY_ARGS:-}"  # more study flags, e.g. "--set revffn.stream_dtype=float32"
-PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part (TINY=1: 1800; its two calibrated rows take ~10 min on 2 cores)
+PART="${PART:-all}"; LIMIT="${LIMIT:-540}"  # seconds per part (TINY=1: 1800; its two calibrated rows took 18 min on 2 cores)
 if [ "${TINY:-0}" = 1 ]; then  # the dense model, few tokens and steps, two rows, the smoke study: the CPU path
   MOE=builtin:smollm2; DEVICE=cpu; QUICK=(--quick); ROWS=(--rows 2,4); STUDY_STEPS=2; JOBS=1; LIMIT=1800
 fi
