@@ -97,6 +97,15 @@ def reset_rss_peak() -> bool:
         return False
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak for `peak_memory_bytes`: CUDA's allocator statistics on GPU, the RSS high-water mark on CPU
+    (`reset_rss_peak`; False where the kernel does not allow it, and the peak is then the process's since start)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    return reset_rss_peak()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA max allocated on GPU, process peak RSS on CPU."""
     if device.type == "cuda":

@@ -181,6 +181,26 @@ def test_threads_travel_in_the_job_and_the_worker_applies_them(tmp_path, monkeyp
         torch.set_num_threads(before)
 
 
+def test_the_peak_is_trainings_not_the_evaluations_before_it(tmp_path, monkeypatch):
+    """The base and the conversion at init are evaluated in the run's process before it trains; its peak memory
+    restarts after them. Here the evaluations touch 768 MiB, far above what 2 steps of `full` on the toy base
+    take: without the restart the run's peak is at least that."""
+    from revffn.memory.measure import current_rss_bytes
+
+    big = 768 * 2**20
+
+    def heavy_evaluations(job, method):
+        touched = torch.ones(big // 4)
+        return {"base_retention_loss": float(touched[0])}
+
+    monkeypatch.setattr(worker, "losses_before_training", heavy_evaluations)
+    plan = replace(quick_plan(), shared_process=False)
+    job = study._job(plan, tmp_path, "full", "commas", 0, 1e-4, eval_val=False)
+    row = worker.run_job(job, current_rss_bytes())
+    assert row["base_retention_loss"] == 1.0 and row["peak_since"] == "training"
+    assert 0 < row["peak_mem_bytes"] < big / 2, row["peak_mem_bytes"] / 2**20
+
+
 def test_a_stage_boundary_gets_a_retention_eval(tmp_path):
     """The worker asks the method for its stage boundary (`steady_state_step`): RevFFN's warm-up, cut by
     its `study_options` to leave a stage-2 step; none for HiFT."""

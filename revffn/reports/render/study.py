@@ -114,8 +114,12 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
     if data["runs"] and data["runs"][0].get("shared_process"):
         lines += ["", "Peak memory: all runs shared one process (`--quick`), so it is not per method."]
     else:
+        ok = [r for r in data["runs"] if r["status"] == "ok"]
+        since = ("restarted after the evaluations before training" if ok and all(
+            r.get("peak_since") == "training" for r in ok) else "in runs that evaluated the base or the conversion "
+                 "at init first, it includes those evaluations (the rows without `peak_since: training`)")
         lines += ["", "Peak memory: process peak RSS during training minus the RSS after imports (fresh process "
-                  "per run; includes allocator retention). tokens/s: median over logging intervals."]
+                  f"per run; includes allocator retention; {since}). tokens/s: median over logging intervals."]
     lines += ["", "## Goal check (computed from the means above)", "", *goal_check(data)]
     errors = [r for r in data["runs"] if r["status"] != "ok"]
     if errors:

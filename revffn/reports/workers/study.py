@@ -14,11 +14,13 @@ init (`gap_init`: RevFFN's conversion); a method with a stage boundary (`steady_
 the retention loss there.
 
 Memory on CPU is the process peak RSS during training minus the RSS right after the imports (as in
-`revffn bench`); on CUDA `torch.cuda.max_memory_allocated`.
+`revffn bench`); on CUDA `torch.cuda.max_memory_allocated`. Both peaks restart after the evaluations before
+training (`peak_since: training`); rows without the key (before stop 58) include them.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -29,7 +31,7 @@ import torch
 import transformers  # noqa: F401
 import yaml
 
-from revffn.memory.measure import current_rss_bytes
+from revffn.memory.measure import current_rss_bytes, reset_peak_memory
 from revffn.training.evaluate import RETENTION_SET
 
 BASE = "builtin:base"
@@ -126,6 +128,8 @@ def run_job(job: dict, baseline: int) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg, method = write_config(job, run_dir)
     result = {"name": job["name"], **losses_before_training(job, method)}
+    gc.collect()  # the models evaluated before training are gone; the peak is training's from here
+    result["peak_since"] = "training" if reset_peak_memory(eval_device(job)) else "start"
     summary = run(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     boundary = method.steady_state_step()
