@@ -129,12 +129,17 @@ def convert_row(name: str, out: Path, src: dict, calibration: str, tokens: int, 
            "heal_kl_max_over_first": hl["kl_max"] / hl["kl_first"] if hl else None,
            "loss_calibrated": gap["calibrated"], "loss": gap.get("healed", gap["calibrated"]),
            "calibration_s": cal["wall_s"] + cal["data_wall_s"], "heal_s": hl["wall_s"] if hl else None,
-           "peak_rss_bytes": m["peak_rss_bytes"], "accumulator_bytes": cal["accumulator_bytes"],
+           "peak_rss_bytes": m["peak_rss_bytes"], **_gpu(m), "accumulator_bytes": cal["accumulator_bytes"],
            "kept_bytes": cal["kept_bytes"], "worst_residual": max(cal["residuals"].values()),
            "wall_s": m["wall_s"], "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
     if probes:
         row["probes"] = probe_accuracy(str(target), probes, env)
     return row
+
+
+def _gpu(manifest: dict) -> dict:
+    """The GPU's peak of a conversion run on CUDA (`peak_gpu_bytes`; `peak_rss_bytes` is the host's)."""
+    return {"peak_gpu_bytes": manifest["peak_gpu_bytes"]} if "peak_gpu_bytes" in manifest else {}
 
 
 def buffered_row(bits: int, out: Path, threads: int, model: str, eval_data: str, device: str = "cpu",
@@ -158,6 +163,7 @@ def buffered_row(bits: int, out: Path, threads: int, model: str, eval_data: str,
     m = json.loads(done.read_text())
     row = {"name": name, "status": "ok", "coupling": "buffered", "buffer_bits": bits, "buffer_momentum": momentum,
            "loss": m["conversion_gap"]["buffered"], "calibration_s": 0.0, "peak_rss_bytes": m["peak_rss_bytes"],
+           **_gpu(m),
            "wall_s": m["wall_s"], "tokens_to_target": 0, "command": " ".join(cmd[1:]).replace(str(out), "OUT")}
     if probes:
         row["probes"] = probe_accuracy(str(target), probes, env)
@@ -178,7 +184,9 @@ def render(data: dict) -> str:
     """docs/conversion.md's table from conversion.json."""
     base = data["rows"][0]["loss"]
     extra = any("probes" in r for r in data["rows"])  # a real model's table: probes and tokens-to-target too
-    lines = ["| conversion | calibration text | heal | loss | Δ vs base | calibration s | heal s | peak RSS |"
+    gpu = any("peak_gpu_bytes" in r for r in data["rows"])  # run on a GPU: its peak beside the host's
+    lines = ["| conversion | calibration text | heal | loss | Δ vs base | calibration s | heal s | "
+             + ("peak RSS; GPU |" if gpu else "peak RSS |")
              + (" probes | heal tokens to base + 0.2 |" if extra else ""),
              "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if extra else "")]
     for r in data["rows"]:
@@ -198,7 +206,8 @@ def render(data: dict) -> str:
                 + (f", warm-up {r['heal_warmup']}" if r.get("heal_warmup") is not None else "")
                 + (f"; KL max {r['heal_kl_max_over_first']:.2f}x first" if r.get("heal_kl_max_over_first") else "")
                 if r.get("heal_data") else "–")
-        rss = f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" if "peak_rss_bytes" in r else "–"
+        rss = (f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" if "peak_rss_bytes" in r else "–") + (
+            f"; {r['peak_gpu_bytes'] / 2**20:.0f} MiB" if "peak_gpu_bytes" in r else "")
         cs = f"{r['calibration_s']:.0f}" if "calibration_s" in r else "–"
         hs = f"{r['heal_s']:.0f}" if r.get("heal_s") is not None else "–"
         lines.append(f"| {r['name']} | {cal} | {heal} | **{r['loss']:.3f}** | {r['loss'] - base:+.3f} | {cs} | {hs} "

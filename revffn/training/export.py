@@ -39,7 +39,7 @@ from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
 from revffn.errors import UserError
-from revffn.memory.measure import peak_rss_bytes
+from revffn.memory.measure import peak_memory_bytes, peak_rss_bytes
 from revffn.methods.base import write_manifest
 from revffn.methods.calibration import calibrate_model, check_source, log_line
 from revffn.models.cache import check_replaceable
@@ -80,6 +80,12 @@ class ConvertSpec:
     coupling: str = "buffered"  # the decoder layers whole (no adapters: nothing to calibrate or heal); or additive
     buffer_bits: int = DEFAULT_BUFFER_BITS
     buffer_momentum: str = DEFAULT_MOMENTUM
+
+
+def gpu_peak(model: torch.nn.Module) -> dict:
+    """{"peak_gpu_bytes": CUDA's peak allocated} for a model on a GPU (the host's is `peak_rss_bytes`); {} on CPU."""
+    device = next(model.parameters()).device
+    return {"peak_gpu_bytes": peak_memory_bytes(device)} if device.type == "cuda" else {}
 
 
 def convert_device(device: str) -> torch.device:
@@ -186,7 +192,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
                 "stream_dtype": spec.stream_dtype, **({"streams": streams} if streams else {}),
                 "converted_from": spec.model, "convert": asdict(spec),
                 "conversion_gap": gap, "calibration": calibration, "heal": heal,
-                "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes()}
+                "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes(), **gpu_peak(model)}
     _write(model.cpu(), tokenizer, Path(spec.out), manifest)
     return manifest
 
@@ -322,7 +328,7 @@ def heal_converted(model, spec: ConvertSpec, log=log_line, measure=None, base_lo
               "hidden_coef": spec.heal_hidden_coef, "kl_first": kls[0], "kl_max": max(kls),
               "kl_last": sum(tail) / len(tail), "kl": [round(k, 5) for k in kls], "tokens": tokens,
               "wall_s": round(time.perf_counter() - t0, 2), "data": spec.heal_data,
-              "batch_size": spec.heal_batch_size, "peak_rss_bytes": peak_rss_bytes()}
+              "batch_size": spec.heal_batch_size, "peak_rss_bytes": peak_rss_bytes(), **gpu_peak(model)}
     if measure is not None:
         target = None if base_loss is None else base_loss + HEAL_TARGET
         report.update(curve=curve, target=target, tokens_to_target=next(

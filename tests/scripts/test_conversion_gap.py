@@ -78,3 +78,23 @@ def test_a_buffered_row_needs_no_calibration_or_heal():
     line = conversion_gap.render(data).splitlines()[-1]
     assert line == ("| buffered coupling, 6 bits (no adapters) | – | – | **2.950** | +0.010 | 0 | – | 1024 MiB | 93 % "
                     "| 0 (no heal) |")
+
+
+def test_a_conversion_on_a_gpu_shows_the_gpus_peak_beside_the_hosts(tmp_path):
+    """`revffn convert --device cuda` writes CUDA's peak (`peak_gpu_bytes`) beside the host's RSS in revffn.json; the
+    row carries it and the table shows both. A CPU table is as before."""
+    data = {"model": "builtin:smollm2", "base_probes": 1.0, "rows": [
+        {"name": "base (unconverted)", "loss": 2.94},
+        {"name": "buffered", "status": "ok", "coupling": "buffered", "loss": 2.95, "calibration_s": 0.0,
+         "peak_rss_bytes": 2**30, "tokens_to_target": 0, "probes": 0.93}]}
+    assert "peak RSS |" in conversion_gap.render(data).splitlines()[0]
+    done = tmp_path / "models" / "buffered_6_positive" / "revffn.json"
+    done.parent.mkdir(parents=True)
+    done.write_text(json.dumps({"convert": {"buffer_bits": 6, "buffer_momentum": "positive"}, "wall_s": 9.0,
+                                "conversion_gap": {"buffered": 2.95}, "peak_rss_bytes": 2**30,
+                                "peak_gpu_bytes": 3 * 2**29}))
+    row = conversion_gap.buffered_row(6, tmp_path, 1, "builtin:smollm2", "builtin:pydoc_text")  # reused, not run
+    assert row["peak_gpu_bytes"] == 3 * 2**29
+    lines = conversion_gap.render({**data, "rows": [data["rows"][0], {**row, "probes": 0.93}]}).splitlines()
+    assert lines[0].endswith("| peak RSS; GPU | probes | heal tokens to base + 0.2 |")
+    assert lines[-1].endswith("| 1024 MiB; 1536 MiB | 93 % | 0 (no heal) |")
