@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -59,6 +60,13 @@ DEFAULT_MOMENTUM = "positive"
 
 
 CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace setting (PyTorch's reproducibility notes)
+# What deterministic mode (warn_only) says on CUDA about kernels the rebuild does not depend on: SDPA's flash and
+# memory-efficient backward accumulate the gradients with atomics (a gradient's last bits vary from run to run, as in
+# any CUDA training; the rebuild needs the forward, and those kernels' forward is deterministic), and histc counts
+# an MoE's integer expert ids (transformers' grouped_mm routing; integer counts do not depend on the order they are
+# added in). Any other kernel's alert still prints, and a recompute that is not bitwise raises `RebuildError`.
+QUIET_NONDETERMINISM = (r"(Flash Attention|Memory Efficient attention) defaults to a non-deterministic algorithm",
+                        r"_histc_cuda does not have a deterministic implementation")
 
 
 def deterministic_kernels(device: torch.device) -> None:
@@ -67,11 +75,14 @@ def deterministic_kernels(device: torch.device) -> None:
     without the NaN-fill of every `torch.empty` that deterministic mode adds (the recompute reads no memory it has
     not written; the fill would slow only the buffered coupling's runs), and cuBLAS's deterministic workspace
     (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads once, at the process's first matmul: `revffn.cli.main` sets it
-    at start, before anything runs a model; here it is set for a process that did not start there). Elsewhere
-    nothing to do: CPU kernels recompute bitwise."""
+    at start, before anything runs a model; here it is set for a process that did not start there); the alerts of
+    kernels the rebuild does not depend on are not printed (`QUIET_NONDETERMINISM`). Elsewhere nothing to do: CPU
+    kernels recompute bitwise."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         torch.use_deterministic_algorithms(True, warn_only=True)
+        for message in QUIET_NONDETERMINISM:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
         with contextlib.suppress(ImportError):  # torch >= 2.2
             from torch.utils import deterministic
 

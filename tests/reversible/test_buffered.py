@@ -4,6 +4,7 @@ from the top with k bits a coordinate a layer, its gradients the plain twin's, a
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -213,6 +214,7 @@ def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     fill = deterministic.fill_uninitialized_memory
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    filters = warnings.filters[:]  # (its warning filters are process-wide too)
     try:
         torch.use_deterministic_algorithms(False)
         deterministic.fill_uninitialized_memory = True
@@ -222,12 +224,28 @@ def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
         deterministic_kernels(torch.device("cuda"))
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not deterministic.fill_uninitialized_memory
+        # the alerts of kernels the rebuild does not depend on are quiet (their texts as torch's CUDA kernels raise
+        # them), any other kernel's still prints
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            deterministic_kernels(torch.device("cuda"))  # (its filters go first, ahead of "always")
+            for text in ("Flash Attention defaults to a non-deterministic algorithm. To explicitly enable determinism "
+                         "call torch.use_deterministic_algorithms(True, warn_only=False).",
+                         "Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly enable "
+                         "determinism call torch.use_deterministic_algorithms(True, warn_only=False).",
+                         "_histc_cuda does not have a deterministic implementation, but you set "
+                         "'torch.use_deterministic_algorithms(True, warn_only=True)'.",
+                         "scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
+                         "'torch.use_deterministic_algorithms(True, warn_only=True)'."):
+                warnings.warn(text, UserWarning, stacklevel=1)
+        assert [str(w.message).split()[0] for w in seen] == ["scatter_add_cuda_kernel"]
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
         deterministic_kernels(torch.device("cuda"))
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
         deterministic.fill_uninitialized_memory = fill
+        warnings.filters[:] = filters
 
 
 def test_cuda_layers_use_one_set_of_attention_kernels_and_the_cpu_is_left_alone():
