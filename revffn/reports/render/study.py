@@ -11,6 +11,11 @@ from revffn.reports.study import protocol_runs
 PLOTS = ("study_accuracy.png", "study_loss.png", "study_gap.png")
 
 
+# runs without `peak_since: training` (`workers.study`, stop 58): the seed-0 runs that first evaluated the base or the
+# conversion at init did so in the process whose peak they report
+PEAK_BEFORE_STOP_58 = ("); the runs that first evaluated the base (the first run) or the conversion at init (seed 0) "
+                       "include those evaluations (studies before stop 58)")
+
 def _pct(s: dict | None) -> str:
     if not s or s.get("mean") is None:
         return "n/a"
@@ -115,11 +120,10 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         lines += ["", "Peak memory: all runs shared one process (`--quick`), so it is not per method."]
     else:
         ok = [r for r in data["runs"] if r["status"] == "ok"]
-        since = ("restarted after the evaluations before training" if ok and all(
-            r.get("peak_since") == "training" for r in ok) else "in runs that evaluated the base or the conversion "
-                 "at init first, it includes those evaluations (the rows without `peak_since: training`)")
-        lines += ["", "Peak memory: process peak RSS during training minus the RSS after imports (fresh process "
-                  f"per run; includes allocator retention; {since}). tokens/s: median over logging intervals."]
+        lines += ["", "Peak memory: process peak RSS during training minus the RSS after imports (fresh process per "
+                  "run; includes allocator retention" + (", restarted after the evaluations before training)" if ok
+                                                        and all(r.get("peak_since") == "training" for r in ok) else
+                  PEAK_BEFORE_STOP_58) + ". tokens/s: median over logging intervals."]
     lines += ["", "## Goal check (computed from the means above)", "", *goal_check(data)]
     errors = [r for r in data["runs"] if r["status"] != "ok"]
     if errors:
