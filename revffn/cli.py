@@ -265,6 +265,10 @@ def cmd_upcycle(args) -> int:
     out = Path(args.out)
     check_replaceable(out, args.overwrite)
     src = Path(resolve_model_ref(args.model, "MODEL"))
+    if not src.is_dir():  # a tiny or config preset: built in memory, random weights, no files to upcycle
+        raise UserError(f"MODEL: {args.model!r} names no model directory (a tiny or config preset is built in "
+                        "memory with random weights; upcycle reads a pretrained model's files). Nothing was written. "
+                        "Fix: a model directory, a Hub ID, a GGUF file or builtin:smollm2.")
     with staged_dir(out) as tmp:
         manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
     print(json.dumps(manifest) if args.json else
@@ -289,7 +293,9 @@ def cmd_train(args) -> int:
         print(f"revffn train: stalled: {e}", file=sys.stderr)
         return STALL_EXIT
     if summary.get("main", True):  # under torchrun, rank 0 alone says it
-        print(f"revffn train: done. {summary['steps']} steps; final model in {summary['final_dir']}; "
+        scored = (f"; eval exact match {100 * summary['eval_exact_match']:.1f} % of {summary['eval_scored']}"
+                  if summary.get("eval_exact_match") is not None else "")
+        print(f"revffn train: done. {summary['steps']} steps{scored}; final model in {summary['final_dir']}; "
               f"report in {cfg.output_dir}/report.md")
     return 0
 

@@ -123,6 +123,15 @@ def test_cli_refuses_upcycling_an_moe_dir(tmp_path, capsys):
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+def test_cli_refuses_a_preset_in_one_line(tmp_path, capsys, preset):
+    """A tiny preset is a MODEL elsewhere, but it has no files to upcycle: one line and exit 2, not a traceback."""
+    assert main(["upcycle", preset, "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "up")]) == 2
+    err = capsys.readouterr().err
+    assert f"{preset!r} names no model directory" in err and "Fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "up").exists()
+
+
 def test_cli_keeps_a_non_empty_out(tmp_path, capsys):
     src = _save_dense(tmp_path)
     (tmp_path / "out").mkdir()
