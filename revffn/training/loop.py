@@ -74,6 +74,8 @@ from revffn.training.setup import (
     RunLock,
     check_output_dir,
     clear_run,
+    finished_step,
+    mark_finished,
     mark_run,
     model_overrides,
     prepare_run,
@@ -262,6 +264,22 @@ class Recipe:
         return eval_loss(run.model, plan.eval_set, self.cfg.per_device_train_batch_size,
                          plan.tokenizer.pad_token_id, run.device, run.autocast)
 
+    def exact_match(self) -> dict | None:
+        """Greedy generation on the first `eval_generate_limit` eval examples that have an answer, each scored by
+        exact match (`evaluate.evaluate`, as `revffn eval` scores them), with the model as trained; None where the
+        eval data has no answers. One process only: under torchrun the model is one rank's replica or shard, and
+        `revffn eval final/` scores it."""
+        from revffn.data.formats import load_examples
+        from revffn.training.evaluate import evaluate
+
+        cfg = self.cfg
+        scored = [e for e in load_examples(cfg.eval_data, "eval_data") if e.get("answer") is not None]
+        if not scored:
+            return None
+        with self.run.autocast():
+            return evaluate(self.run.model, self.plan.tokenizer, scored[: cfg.eval_generate_limit], cfg.max_seq_length,
+                            cfg.per_device_train_batch_size, cfg.eval_max_new_tokens)
+
     def export(self) -> Path:
         """final/: the method's export and the tokenizer, written aside and swapped into place (`staged_dir`:
         a kill at any point leaves a complete final/, old or new), by rank 0; under FSDP the ranks first gather
@@ -307,8 +325,9 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
     try:
         if main:
-            _open_run_dir(cfg, plan, restarts)
-            _log_resume(cfg, plan, restarts, restart_error)
+            finished = finished_step(plan.run_dir) if plan.resume_from is not None else None  # (before the marker's
+            _open_run_dir(cfg, plan, restarts)                                                 # rewrite)
+            _log_resume(cfg, plan, restarts, restart_error, finished)
         return _train(cfg, plan, restarts, fault, main)
     finally:
         if lock is not None and lock is not held:
@@ -358,6 +377,12 @@ def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
         if plan.eval_set is not None and recipe.evaluates:
             summary["eval_loss"] = recipe.eval_loss()
         final = recipe.export()
+        if plan.eval_set is not None and cfg.eval_generate_limit and data_shard()[1] <= 1:
+            scored = recipe.exact_match()
+            if scored is not None:
+                summary.update(eval_exact_match=scored["exact_match"], eval_scored=scored["n_scored"])
+        if main:
+            mark_finished(plan.run_dir, recipe.step)
         summary.update(status="ok", steps=recipe.step, final_dir=str(final), stage=recipe.stage)
         return summary
     except TrainingDiverged as e:
@@ -392,11 +417,18 @@ def _open_run_dir(cfg, plan, restarts: int) -> None:
     clean_partial(run_dir)
 
 
-def _log_resume(cfg, plan, restarts: int, restart_error: str | None) -> None:
+def _log_resume(cfg, plan, restarts: int, restart_error: str | None, finished: int | None = None) -> None:
     """events.jsonl and stderr: the restart this run is (if it is one), and each checkpoint it rolled
     back over, which is moved aside to checkpoints/rejected-step-N (so it is neither resumed nor
-    counted by save_total_limit again)."""
+    counted by save_total_limit again); stderr: a resume of a run that had finished (at step `finished`) trains the
+    steps after its newest checkpoint again (the last step has no checkpoint: final/ is the model)."""
     to = plan.resume_from.name if plan.resume_from is not None else None
+    if finished is not None and to is not None:
+        from_step = read_trainer_state(plan.resume_from)["step"]
+        again = f"steps {from_step + 1}-{finished}" if from_step + 1 < finished else f"step {finished}"
+        more = f", then on to {cfg.max_steps}," if cfg.max_steps > finished else ""
+        print(f"revffn train: the run had finished at step {finished}; resuming from {to} trains {again} again{more} "
+              "and rewrites final/ (overwrite=true starts afresh)", file=sys.stderr)
     if restart_error is not None:
         limit = f"/{cfg.max_restarts}" if cfg.max_restarts else ""
         from_step = read_trainer_state(plan.resume_from)["step"] if to else 0  # (resume may name any dir)

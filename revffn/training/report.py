@@ -112,6 +112,9 @@ def write_run_report(run_dir: Path, summary: dict) -> None:
             lines.append(f"- stage `{stage}` starts at step {step}")
     if "eval_loss" in summary:
         lines.append(f"- final eval loss: {summary['eval_loss']:.4f}")
+    if summary.get("eval_exact_match") is not None:
+        lines.append(f"- final eval exact match: {100 * summary['eval_exact_match']:.1f} % of the first "
+                     f"{summary['eval_scored']} examples (greedy)")
     stats = summary.get("train_stats")
     if stats:
         lines.append(f"- data: {json.dumps(stats)}")

@@ -84,6 +84,23 @@ def mark_run(run_dir: Path) -> None:
     (run_dir / RUN_MARKER).write_text(json.dumps({"format": "revffn-run", "started": started}))
 
 
+def mark_finished(run_dir: Path, step: int) -> None:
+    """The run's marker records that it finished at `step` (final/ exported); a resume that starts it again
+    rewrites the marker (`mark_run`), and its own finish records it again."""
+    marker = run_dir / RUN_MARKER
+    held = json.loads(marker.read_text()) if marker.is_file() else {"format": "revffn-run"}
+    held.update(finished_step=step, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    marker.write_text(json.dumps(held))
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step a run in `run_dir` finished at, or None (running, stopped, or from before stop 58)."""
+    try:
+        return json.loads((run_dir / RUN_MARKER).read_text()).get("finished_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype,
                    hash_files: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the checkpoint to resume from or None, [(newer checkpoint, why it failed verification)]).

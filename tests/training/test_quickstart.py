@@ -33,6 +33,15 @@ def test_quickstart_short_leaves_every_output(tmp_path):
     gen = _run("generate", str(out / "final"), "--prompt", "Put commas between: rope ink tea",
                "--max-new-tokens", "8")
     assert gen.returncode == 0 and gen.stdout.endswith("\n"), gen.stderr[-2000:]  # one line per prompt
+    # the end of training scores the first eval_generate_limit (64) eval examples by exact match, as `revffn eval`
+    # scores the exported model with the run's batch, lengths and examples
+    done = proc.stdout.split("eval exact match ", 1)[1]
+    assert done.startswith(tuple("0123456789")) and " % of 64;" in done, proc.stdout[-500:]
+    ev = _run("eval", str(out / "final"), "--data", "builtin:commas_test", "--limit", "64", "--batch-size", "8",
+              "--max-new-tokens", "48", "--max-seq-length", "96", "--json")
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert done.split(" %", 1)[0] == f"{100 * json.loads(ev.stdout)['exact_match']:.1f}"
+    assert f"final eval exact match: {done.split(' %', 1)[0]} % of the first 64" in (out / "report.md").read_text()
     again = _run("train", f"output_dir={out}", "max_steps=30")
     assert again.returncode == 2 and "already holds a run" in again.stderr
 

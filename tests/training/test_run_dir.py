@@ -49,6 +49,23 @@ def test_a_revffn_run_is_marked_and_overwrite_replaces_it(tmp_path, capsys):
     assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", "overwrite=true"]) == 0
 
 
+def test_resuming_a_finished_run_says_it_trains_the_tail_again(tmp_path, capsys):
+    """A finished run's last step has no checkpoint (final/ is its model): `resume=true` trains the steps after its
+    newest checkpoint again (the resume tests replay runs so), and says so; the run's marker records each finish."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *TINY, "max_steps=3", "save_steps=2", f"output_dir={run_dir}"]) == 0
+    assert json.loads((run_dir / RUN_MARKER).read_text())["finished_step"] == 3
+    capsys.readouterr()
+    assert cli.main(["train", *TINY, "max_steps=4", "save_steps=2", f"output_dir={run_dir}", "resume=true"]) == 0
+    err = capsys.readouterr().err
+    assert "the run had finished at step 3; resuming from step-2 trains step 3 again, then on to 4," in err, err
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in rows if "loss" in line] == [1, 2, 3, 4]
+    assert json.loads((run_dir / RUN_MARKER).read_text())["finished_step"] == 4
+    assert cli.main(["train", *TINY, "max_steps=5", "save_steps=0", f"output_dir={run_dir}", "resume=true"]) == 0
+    assert "the run had finished" in capsys.readouterr().err  # (from step-2 still: the newest checkpoint)
+
+
 def _load(final: Path):
     model = AutoModelForCausalLM.from_pretrained(final)
     AutoTokenizer.from_pretrained(final)
