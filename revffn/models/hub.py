@@ -58,6 +58,17 @@ def _first_line(e: Exception) -> str:
 _RESOLVED: dict[tuple[str, str, bool], str] = {}  # (cache, ref, weights) -> its snapshot directory, once a process
 
 
+def _local_hint(ref: str) -> str:
+    """When `ref`'s first part is a local directory (`runs/typo` beside `runs/`), it was most likely meant as a path:
+    what that directory holds, for the error that names `ref` as a Hub ID ("" otherwise)."""
+    parent = Path(ref.split("@", 1)[0]).parent
+    if not parent.is_dir():
+        return ""
+    held = sorted(p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+    shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "")
+    return f"; as a path, there is no {ref!r} here: {parent}/ holds {shown or 'no directories'}"
+
+
 def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
     """The cache directory of Hub ID `ref` (see the module docstring), downloading what is missing. Resolved
     once per process: the model, the converted-model check and the tokenizer of one run ask the Hub once (a
@@ -92,17 +103,17 @@ def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
                             f"Fix: complete it with network: {fetch}.") from None
         why = ("HF_HUB_OFFLINE=1 forbids downloading it" if constants.is_offline_mode()
                else "the Hugging Face Hub could not be reached")
-        raise UserError(f"{key}: {ref!r} is not in the Hugging Face cache ({cache}) and {why}. Fix: download it "
-                        f"on a machine with network into that cache (HF_HUB_CACHE): {fetch}; or point {key} at a "
-                        "local directory.") from None
+        raise UserError(f"{key}: {ref!r} is not in the Hugging Face cache ({cache}) and {why}{_local_hint(ref)}. "
+                        f"Fix: download it on a machine with network into that cache (HF_HUB_CACHE): {fetch}; or "
+                        f"point {key} at a local directory.") from None
     except errors.GatedRepoError:
         raise UserError(f"{key}: {repo_id!r} is gated on the Hugging Face Hub and this token has no access. Fix: "
                         f"accept its conditions on https://huggingface.co/{repo_id}, then log in (`hf auth login` "
                         "or HF_TOKEN).") from None
     except errors.RepositoryNotFoundError:
         raise UserError(f"{key}: {ref!r} is neither a local directory nor a model on the Hugging Face Hub (or it "
-                        "is private). Fix: check the ID (ORG/NAME as on huggingface.co), log in for a private one "
-                        "(`hf auth login` or HF_TOKEN), or give a local directory.") from None
+                        f"is private){_local_hint(ref)}. Fix: check the ID (ORG/NAME as on huggingface.co), log in "
+                        "for a private one (`hf auth login` or HF_TOKEN), or give a local directory.") from None
     except errors.RevisionNotFoundError:
         raise UserError(f"{key}: {repo_id!r} has no revision {revision!r} on the Hugging Face Hub. Fix: a branch, "
                         f"tag or commit of https://huggingface.co/{repo_id}, or drop @{revision}.") from None

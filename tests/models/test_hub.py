@@ -113,6 +113,17 @@ def test_missing_from_the_offline_cache_is_exit_2_with_the_download_command(cach
         resolve_model_ref("nobody/missing@v2", "--model", weights=False)
 
 
+def test_a_missing_path_read_as_a_hub_id_names_what_its_directory_holds(cache, tmp_path, monkeypatch, capsys):
+    """`runs/typo` beside a local runs/ is likelier a mistyped path than a Hub ID: the error says what runs/ holds."""
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "runs/typo", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "as a path, there is no 'runs/typo' here: runs/ holds quickstart. Fix:" in err, err
+    assert main(["generate", "nobody/missing", "--prompt", "hi"]) == 2
+    assert "as a path" not in capsys.readouterr().err  # no local nobody/: a Hub ID, said as before
+
+
 @pytest.mark.parametrize("error, says", [
     (hub_errors.LocalEntryNotFoundError, "not in the Hugging Face cache .* and the Hugging Face Hub could not be"),
     (hub_errors.GatedRepoError, "'org/name' is gated on the Hugging Face Hub .* Fix: accept its conditions"),
