@@ -361,6 +361,10 @@ def cmd_eval(args) -> int:
               f"{report['match']} match {em} ({report['n_scored']} scored of {report['n_examples']})")
         for s in report["samples"]:
             print(f"  prompt: {s['prompt']!r}\n    reference:  {s['reference']!r}\n    prediction: {s['prediction']!r}")
+        if args.loglikelihoods:
+            ll = report["loglikelihoods"]
+            print("  log-likelihood of each reference given its prompt (summed log-prob; --json lists them): "
+                  + (f"mean {sum(ll) / len(ll):.4f} over {len(ll)}, first {ll[0]:.4f}" if ll else "none"))
     return 0
 
 

@@ -88,6 +88,8 @@ def test_lm_eval_loglikelihoods_agree_with_revffn(tmp_path, one_thread, capsys):
     capsys.readouterr()
     assert main(["eval", str(final), "--data", str(data), "--loglikelihoods", "--limit", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["loglikelihoods"] == pytest.approx(ours, abs=1e-9)
+    assert main(["eval", str(final), "--data", str(data), "--loglikelihoods", "--limit", "0"]) == 0  # the text form
+    assert f"mean {sum(ours) / len(ours):.4f} over {len(ours)}, first {ours[0]:.4f}" in capsys.readouterr().out
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "mod"),
            "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "TOKENIZERS_PARALLELISM": "false",
