@@ -62,9 +62,12 @@ def _local_hint(ref: str) -> str:
     """When `ref`'s first part is a local directory (`runs/typo` beside `runs/`), it was most likely meant as a path:
     what that directory holds, for the error that names `ref` as a Hub ID ("" otherwise)."""
     parent = Path(ref.split("@", 1)[0]).parent
-    if not parent.is_dir():
+    try:
+        if not parent.is_dir():
+            return ""
+        held = sorted(p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:  # (an unreadable directory: no hint rather than a traceback in place of the error)
         return ""
-    held = sorted(p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
     shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "")
     return f"; as a path, there is no {ref!r} here: {parent}/ holds {shown or 'no directories'}"
 

@@ -62,11 +62,12 @@ DEFAULT_MOMENTUM = "positive"
 CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace setting (PyTorch's reproducibility notes)
 # What deterministic mode (warn_only) says on CUDA about kernels the rebuild does not depend on: SDPA's flash and
 # memory-efficient backward accumulate the gradients with atomics (a gradient's last bits vary from run to run, as in
-# any CUDA training; the rebuild needs the forward, and those kernels' forward is deterministic), and histc counts
-# an MoE's integer expert ids (transformers' grouped_mm routing; integer counts do not depend on the order they are
-# added in). Any other kernel's alert still prints, and a recompute that is not bitwise raises `RebuildError`.
+# any CUDA training; the rebuild needs the forward, and those kernels' forward is deterministic), and histc over float
+# input (an MoE's expert ids cast to float to count tokens per expert: whole counts below 2^24 do not depend on the
+# order they are added in; transformers' grouped_mm passes int ids on CUDA, which raise nothing). Any other kernel's
+# alert still prints, and a recompute that is not bitwise raises `RebuildError`.
 QUIET_NONDETERMINISM = (r"(Flash Attention|Memory Efficient attention) defaults to a non-deterministic algorithm",
-                        r"_histc_cuda does not have a deterministic implementation")
+                        r"_histc_cuda( with floating point input)? does not have a deterministic implementation")
 
 
 def deterministic_kernels(device: torch.device) -> None:

@@ -377,8 +377,13 @@ def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
         if plan.eval_set is not None and recipe.evaluates:
             summary["eval_loss"] = recipe.eval_loss()
         final = recipe.export()
-        if plan.eval_set is not None and cfg.eval_generate_limit and data_shard()[1] <= 1:
-            scored = recipe.exact_match()
+        if plan.eval_set is not None and cfg.eval_generate_limit and plan.distributed == "none":
+            try:  # (final/ is written: a failure here is reported, not the run's)
+                scored = recipe.exact_match()
+            except Exception as e:
+                scored = None
+                print(f"revffn train: the final exact-match eval failed ({type(e).__name__}: {str(e)[:300]}); final/ "
+                      "is complete: score it with `revffn eval OUTPUT_DIR/final --data EVAL_DATA`", file=sys.stderr)
             if scored is not None:
                 summary.update(eval_exact_match=scored["exact_match"], eval_scored=scored["n_scored"])
         if main:
@@ -425,7 +430,8 @@ def _log_resume(cfg, plan, restarts: int, restart_error: str | None, finished: i
     to = plan.resume_from.name if plan.resume_from is not None else None
     if finished is not None and to is not None:
         from_step = read_trainer_state(plan.resume_from)["step"]
-        again = f"steps {from_step + 1}-{finished}" if from_step + 1 < finished else f"step {finished}"
+        end = min(finished, cfg.max_steps)  # (a resume may also shorten the run)
+        again = f"steps {from_step + 1}-{end}" if from_step + 1 < end else f"step {end}" if end > from_step else "none"
         more = f", then on to {cfg.max_steps}," if cfg.max_steps > finished else ""
         print(f"revffn train: the run had finished at step {finished}; resuming from {to} trains {again} again{more} "
               "and rewrites final/ (overwrite=true starts afresh)", file=sys.stderr)

@@ -233,7 +233,8 @@ def test_cuda_gets_deterministic_kernels_and_the_cpu_is_left_alone(monkeypatch):
                          "call torch.use_deterministic_algorithms(True, warn_only=False).",
                          "Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly enable "
                          "determinism call torch.use_deterministic_algorithms(True, warn_only=False).",
-                         "_histc_cuda does not have a deterministic implementation, but you set "
+                         "_histc_cuda with floating point input does not have a deterministic implementation, "
+                         "but you set "
                          "'torch.use_deterministic_algorithms(True, warn_only=True)'.",
                          "scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
                          "'torch.use_deterministic_algorithms(True, warn_only=True)'."):

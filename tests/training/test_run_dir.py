@@ -62,8 +62,25 @@ def test_resuming_a_finished_run_says_it_trains_the_tail_again(tmp_path, capsys)
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in rows if "loss" in line] == [1, 2, 3, 4]
     assert json.loads((run_dir / RUN_MARKER).read_text())["finished_step"] == 4
-    assert cli.main(["train", *TINY, "max_steps=5", "save_steps=0", f"output_dir={run_dir}", "resume=true"]) == 0
-    assert "the run had finished" in capsys.readouterr().err  # (from step-2 still: the newest checkpoint)
+    assert cli.main(["train", *TINY, "max_steps=3", "save_steps=0", f"output_dir={run_dir}", "resume=true"]) == 0
+    assert "had finished at step 4; resuming from step-2 trains step 3 again and" in capsys.readouterr().err  # shorter
+
+
+def test_a_failing_final_exact_match_leaves_the_run_finished(tmp_path, capsys, monkeypatch):
+    """The end-of-run exact match runs after final/ is written: its failure is one stderr line, not the run's."""
+    from revffn.training.loop import Recipe
+
+    def fail(self):
+        raise RuntimeError("generation broke")
+
+    monkeypatch.setattr(Recipe, "exact_match", fail)
+    run_dir = tmp_path / "run"
+    over = ["eval_data=builtin:reversal_test", "eval_generate_limit=2", "eval_max_new_tokens=2"]
+    assert cli.main(["train", *TINY, *over, "max_steps=1", f"output_dir={run_dir}"]) == 0
+    captured = capsys.readouterr()
+    assert "the final exact-match eval failed (RuntimeError: generation broke); final/ is complete" in captured.err
+    assert "eval exact match" not in captured.out and (run_dir / "final" / "config.json").is_file()
+    assert json.loads((run_dir / RUN_MARKER).read_text())["finished_step"] == 1
 
 
 def _load(final: Path):

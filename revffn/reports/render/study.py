@@ -11,10 +11,12 @@ from revffn.reports.study import protocol_runs
 PLOTS = ("study_accuracy.png", "study_loss.png", "study_gap.png")
 
 
-# runs without `peak_since: training` (`workers.study`, stop 58): the seed-0 runs that first evaluated the base or the
-# conversion at init did so in the process whose peak they report
+# runs without `peak_since: training` (`workers.study`: studies before stop 58, or a kernel that does not let a
+# process restart its RSS peak): the seed-0 runs that first evaluated the base or the conversion at init did so in
+# the process whose peak they report
 PEAK_BEFORE_STOP_58 = ("); the runs that first evaluated the base (the first run) or the conversion at init (seed 0) "
-                       "include those evaluations (studies before stop 58)")
+                       "include those evaluations where the peak was not restarted after them (studies before stop "
+                       "58)")
 
 def _pct(s: dict | None) -> str:
     if not s or s.get("mean") is None:
