@@ -53,6 +53,8 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
     assert len(manifest["calibration"]["residuals"]) == 2 * 2 and manifest["heal"]["steps"] == 2
     assert {"model.safetensors", "config.json", "tokenizer.json", "modeling_revffn.py",
             "generation_config.json"} <= {p.name for p in out.iterdir()}  # as a run's final/: transformers loads it
+    card = (out / "README.md").read_text()  # the model card says how to load it, and what a plain load gives
+    assert "from_pretrained(PATH, trust_remote_code=True)" in card and "plain `qwen2_moe` architecture" in card
     converted = load(str(out))
     assert manifest["convert"]["stream_width"] == "full" and converted.stream_width == "full"  # the default
     # --stream-dtype auto (the default), measured on the calibrated model: float32 rebuilds the tiny model's inputs

@@ -29,6 +29,30 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# final/README.md: the model card the Hub and a reader see first. A plain load (no remote code) gives no error, only
+# a load report, so the card says what it gives.
+MODEL_CARD = """---
+library_name: transformers
+tags: [revffn, reversible]
+---
+# A RevFFN model ({coupling} coupling)
+
+Written by revffn (`{model_type}` layers inside reversible blocks). Its modeling code ships beside it and imports
+revffn, which must be installed where it loads; load it with that code:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(PATH)
+```
+
+Without `trust_remote_code=True` transformers builds the plain `{model_type}` architecture and initialises every
+weight anew (its load report lists each as MISSING): a random model, not this one. Scored with lm-evaluation-harness:
+`lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks TASK`.
+"""
+
+
 def save_converted(model, out_dir: Path) -> None:
     """Write `model` (a `RevFFNForCausalLM`) into `out_dir` as transformers loads it with remote code."""
     dtype = dtype_name(next(model.parameters()).dtype)  # the weights' dtype, as save_pretrained records it
@@ -44,3 +68,5 @@ def save_converted(model, out_dir: Path) -> None:
     save_model(model, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
     for name in REMOTE_FILES:
         shutil.copyfile(Path(__file__).parent / name, Path(out_dir) / name)
+    (Path(out_dir) / "README.md").write_text(MODEL_CARD.format(coupling=model.coupling,
+                                                               model_type=text.get("model_type", "base")))
