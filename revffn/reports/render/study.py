@@ -18,6 +18,7 @@ PEAK_BEFORE_STOP_58 = ("); the runs that first evaluated the base (the first run
                        "include those evaluations where the peak was not restarted after them (studies before stop "
                        "58)")
 
+
 def _pct(s: dict | None) -> str:
     if not s or s.get("mean") is None:
         return "n/a"
