@@ -36,7 +36,8 @@ split_bundle() {
   for w in "${wheels[@]}"; do [ -f "$w" ] || fail "WHEELS: $w is not a file"; done
   tar -cf "$work/bundle.tar" -C "$(dirname "${wheels[0]}")" "${wheels[@]##*/}"
   # what a device call sends besides the carried part: tracked and untracked-not-ignored files, and shared/
-  tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+  tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s+=$1} END {print s+0}')
   [ -d "$ROOT/shared" ] && tree=$((tree + $(du -sb "$ROOT/shared" | cut -f1)))
   room="${ROOM:-$((CALL_LIMIT - tree - 2 * 1024 * 1024))}"
   [ "$room" -gt 0 ] || fail "the checkout alone sends $tree bytes, no room under 64 MiB for a part"
@@ -72,12 +73,15 @@ install_bundle() {
   read -r _ _ _ n < <(head -1 "$dir/manifest")
   whole="$(awk '/^bundle_sha256/{print $2}' "$dir/manifest")"
   have=$(find "$STAGE" -maxdepth 1 -name 'part.*' | wc -l)
-  [ "$have" -eq "$n" ] || fail "$STAGE holds $have of $n parts. Fix: put the missing ones first (bash scripts/gpu_stage.sh put .stage/K)"
+  [ "$have" -eq "$n" ] \
+    || fail "$STAGE holds $have of $n parts. Fix: put the missing ones first (bash scripts/gpu_stage.sh put .stage/K)"
   for m in "$STAGE"/manifest.*; do
-    [ "$(awk '/^bundle_sha256/{print $2}' "$m")" = "$whole" ] || fail "$m: a part of another split. Fix: rm -rf $STAGE and put every part of one split"
+    [ "$(awk '/^bundle_sha256/{print $2}' "$m")" = "$whole" ] \
+      || fail "$m: a part of another split. Fix: rm -rf $STAGE and put every part of one split"
   done
   cat "$STAGE"/part.* > "$STAGE/bundle.tar"
-  [ "$(digest "$STAGE/bundle.tar")" = "$whole" ] || fail "$STAGE/bundle.tar: sha256 differs from the split's; nothing installed"
+  [ "$(digest "$STAGE/bundle.tar")" = "$whole" ] \
+    || fail "$STAGE/bundle.tar: sha256 differs from the split's; nothing installed"
   rm -rf "$STAGE/wheels"; mkdir -p "$STAGE/wheels"
   tar -xf "$STAGE/bundle.tar" -C "$STAGE/wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
