@@ -95,8 +95,8 @@ SCHEMA: dict[str, Key] = {
     "tokenizer": Key((str, type(None)), None, "tokenizer directory or Hub ID (null: the model's, or the shipped one)",
                      path=True),
     "eval_max_new_tokens": Key(int, 48, "greedy tokens generated per example for exact-match eval", min=1),
-    "eval_generate_limit": Key(int, 64, "eval examples scored by exact match at the end of training (0: none; one "
-                               "process: under torchrun `revffn eval final/`)", min=0),
+    "eval_generate_limit": Key(int, 64, "eval examples scored by exact match at the end of training (0: none; "
+                               "under ddp by rank 0; under fsdp none: `revffn eval final/`)", min=0),
 }
 
 RESUME_MAY_CHANGE = frozenset({

@@ -267,8 +267,8 @@ class Recipe:
     def exact_match(self) -> dict | None:
         """Greedy generation on the first `eval_generate_limit` eval examples that have an answer, each scored by
         exact match (`evaluate.evaluate`, as `revffn eval` scores them), with the model as trained; None where the
-        eval data has no answers. One process only: under torchrun the model is one rank's replica or shard, and
-        `revffn eval final/` scores it."""
+        eval data has no answers. Under DDP rank 0 alone scores its replica (`run.model`, not the DDP wrapper: no
+        collective), which is every rank's; under FSDP a rank holds a shard, and `revffn eval final/` scores it."""
         from revffn.data.formats import load_examples
         from revffn.training.evaluate import evaluate
 
@@ -377,7 +377,7 @@ def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
         if plan.eval_set is not None and recipe.evaluates:
             summary["eval_loss"] = recipe.eval_loss()
         final = recipe.export()
-        if plan.eval_set is not None and cfg.eval_generate_limit and plan.distributed == "none":
+        if plan.eval_set is not None and cfg.eval_generate_limit and main and plan.distributed != "fsdp":
             try:  # (final/ is written: a failure here is reported, not the run's)
                 scored = recipe.exact_match()
             except Exception as e:

@@ -113,6 +113,8 @@ def _assert_same_run(one: Path, other: Path, label: str) -> None:
                                     *(pytest.param(m, marks=pytest.mark.slow) for m in OTHERS)])
 def test_data_parallel_equals_one_process(tmp_path, method):
     options, per_device, accumulation = METHODS.get(method, ([f"method={method}", "router_aux_loss_coef=0"], 4, 1))
+    if method == "full":  # and the end-of-run exact match: by rank 0 under ddp, none under fsdp
+        options = [*options, "eval_data=builtin:reversal_test", "eval_generate_limit=4", "eval_max_new_tokens=4"]
     loop.run(load_config(None, [*TINY, *options, f"per_device_train_batch_size={per_device}",
                                 f"gradient_accumulation_steps={accumulation}", f"output_dir={tmp_path / 'one'}"]))
     for strategy in STRATEGIES:
@@ -123,6 +125,13 @@ def test_data_parallel_equals_one_process(tmp_path, method):
         ckpt = out / "checkpoints" / "step-2"  # rank 0's whole model (ddp), or every rank's shards (fsdp: DCP)
         assert (ckpt / ("dcp/.metadata" if strategy == "fsdp" else "model.safetensors")).is_file()
         _assert_same_run(tmp_path / "one", out, f"{method} {strategy}")
+        if method == "full":
+            scored = [line for line in (tmp_path / "one" / "report.md").read_text().splitlines()
+                      if line.startswith("- final eval exact match: ") and line.endswith(" of the first 4 examples "
+                                                                                        "(greedy)")]
+            assert len(scored) == 1
+            assert (scored[0] in (out / "report.md").read_text()) == (strategy == "ddp"), r.stdout[-2000:]
+            assert ("eval exact match" in r.stdout) == (strategy == "ddp")
         if method.startswith("revffn"):
             stages = [json.loads(line)["stage"] for line in (out / "metrics.jsonl").read_text().splitlines()]
             first = "joint" if method == "revffn-buffered" else "heal" if method == "revffn-heal" else "warmup"
