@@ -67,6 +67,9 @@ class Method:
     # `prepare` works on a model whose parameters are on the meta device, so that under FSDP each rank loads only
     # its shards (`models.sharded`); `prepares_on_meta` may refuse it for some of the method's options
     META_PREPARE: ClassVar[bool] = False
+    # libraries `prepare` imports (PEFT's methods: peft): a bench measurement imports them before its memory baseline,
+    # so that a method's peak counts its tensors, not a library's code; and the other methods' processes not at all
+    LIBRARIES: ClassVar[tuple[str, ...]] = ()
 
     # set by `build_run` before `prepare`: a checkpoint will overwrite every weight `prepare` sets, so work that
     # only initializes weights (RevFFN's calibration) may be skipped

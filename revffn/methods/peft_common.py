@@ -143,6 +143,7 @@ class PeftMethod(Method):
 
     use_dora = False
     ESTIMATE_KEYS = ("r",)  # (the default targets are assumed)
+    LIBRARIES = ("peft",)
 
     def __init__(self, cfg):
         super().__init__(cfg)

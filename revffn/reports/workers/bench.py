@@ -25,6 +25,7 @@ DTensor) tensor, its local shard.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -32,7 +33,6 @@ import sys
 import time
 import weakref
 
-import peft  # noqa: F401  (imported before the RSS baseline for every method alike)
 import torch
 import transformers  # noqa: F401
 from torch.distributed.tensor import DTensor
@@ -230,9 +230,11 @@ def run(args: dict, baseline_rss: int | None = None, measure=measure) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    baseline = current_rss_bytes()  # after the imports, before anything is built
     argv = sys.argv[1:] if argv is None else argv
     args = json.loads(argv[0])
+    for library in method_class(args["method"], args.get("method_module")).LIBRARIES:  # (peft: LoRA, DoRA)
+        importlib.import_module(library)  # as the method's prepare would, but before the baseline
+    baseline = current_rss_bytes()  # after the imports, before anything is built
     row = run(args, baseline)
     if args.get("nproc", 1) > 1:  # torchrun's ranks share the parent's stdout: each line names its rank
         row = {**row, "rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1))}

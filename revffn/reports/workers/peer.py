@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-import peft  # noqa: F401  (imported before the RSS baseline, as in the revffn worker)
+import peft  # noqa: F401  (the peers import it themselves (Trainer where installed, TRL): before the RSS baseline)
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
