@@ -99,17 +99,19 @@ def test_parent_survives_killed_garbage_and_hanging_workers(tmp_path, monkeypatc
 @pytest.mark.parametrize("method, loaded", [("lora", True), ("full", False), ("revffn", False)])
 def test_a_worker_loads_peft_before_its_baseline_only_for_the_methods_that_use_it(method, loaded):
     """A LoRA worker's memory baseline is taken with peft loaded (its peak counts its tensors, not peft's code); a
-    worker of a method that never uses peft does not load it (its start-up is what `revffn train`'s is)."""
+    worker of a method that never uses peft does not load it (its start-up is what `revffn train`'s is). Every
+    worker has transformers' model classes loaded by then (lazy in transformers: else inside the timed start-up)."""
     import subprocess
     import sys
 
     code = ("import json, sys; from revffn.reports.workers import bench as w; "
-            "w.current_rss_bytes = lambda: print('baseline', 'peft' in sys.modules) or 0; "
+            "w.current_rss_bytes = lambda: print('baseline', 'peft' in sys.modules, "
+            "'transformers.modeling_utils' in sys.modules) or 0; "
             "w.run = lambda args, baseline: {'method': args['method']}; "
             f"w.main([json.dumps({{'method': '{method}'}})]); print('end', 'peft' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"baseline {loaded}" in out.stdout and f"end {loaded}" in out.stdout
+    assert f"baseline {loaded} True" in out.stdout and f"end {loaded}" in out.stdout
 
 
 @pytest.mark.parametrize("error", [MemoryError, torch.OutOfMemoryError])
