@@ -87,17 +87,19 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
     row = run(args)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities)
-    step, calls = worker.train_step, []
+    step, calls, state = worker.train_step, [], {"on": False}
 
     def profiled_step(*a, **k):  # the timed steps only: not the build (an additive run's calibration) nor the warm-up
         calls.append(None)
         if len(calls) == 2:
             prof.start()
+            state["on"] = True
         result = step(*a, **k)
-        if len(calls) == int(args["steps"]) + 1:
+        if len(calls) == int(args["steps"]) + 1 and state["on"]:
             if cuda:
                 torch.cuda.synchronize()
             prof.stop()
+            state["on"] = False
         return result
 
     worker.train_step = profiled_step
@@ -105,18 +107,25 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
         profiled = run(args)
     finally:
         worker.train_step = step
+        if state["on"]:  # a step raised (the row says so): what ran until then is still profiled
+            prof.stop()
+    if len(calls) < 2:  # the build or the warm-up step failed: nothing was profiled
+        return {"row": row, "profiled_status": profiled.get("status"), "ops": [], "categories": {},
+                "clock": "device" if cuda else "cpu", "table": ""}
     events = prof.key_averages()
 
+    # the device clock's name: `self_device_time_total` since torch 2.4 (`self_cuda_time_total` is its deprecated alias)
+    key = ("self_device_time_total" if not events or hasattr(events[0], "self_device_time_total")
+           else "self_cuda_time_total") if cuda else "self_cpu_time_total"
+
     def self_us(e) -> float:
-        if cuda:
-            return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
-        return float(e.self_cpu_time_total)
+        return float(getattr(e, key))
 
     ops = sorted(({"op": e.key, "self_us": self_us(e), "calls": e.count} for e in events), key=lambda o: -o["self_us"])
     totals: dict[str, float] = {}
     for o in ops:
         totals[category(o["op"])] = totals.get(category(o["op"]), 0.0) + o["self_us"]
-    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
+    table = events.table(sort_by=key, row_limit=top)
     return {"row": row, "profiled_status": profiled.get("status"), "ops": ops[:top], "categories": totals,
             "clock": "device" if cuda else "cpu", "table": table}
 
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed (and profiled) steps, after one warm-up step; >= 1")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", type=int, default=None)
@@ -168,13 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(ns.one)
         print(json.dumps(profile_one(spec["args"], spec["deterministic"], ns.top)))
         return 0
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
     variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         print(f"gpu_profile: --variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
+    if ns.steps < 1:
+        print(f"gpu_profile: --steps: {ns.steps} timed steps profile nothing; give 1 or more", file=sys.stderr)
+        return 2
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
     result = {"model": ns.model, "hidden": ns.hidden, "layers": ns.layers, "batch": ns.batch, "seq": ns.seq,
               "steps": ns.steps, "dtype": ns.dtype, "device": ns.device, "argv": argv, "variants": {}}
     for v in variants:

@@ -29,7 +29,9 @@ def test_profile_of_the_buffered_default(tmp_path):
     assert "aten::" in (tmp_path / "ops_revffn.txt").read_text()
 
 
-def test_unknown_variant_exits_2(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--variants", "revffn,fast"],
+@pytest.mark.parametrize("argv, needle", [(["--variants", "revffn,fast"], "unknown fast"),
+                                          (["--steps", "0"], "--steps: 0 timed steps")])
+def test_bad_input_exits_2_writing_nothing(tmp_path, argv, needle):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *argv],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "unknown fast" in done.stderr
+    assert done.returncode == 2 and needle in done.stderr and not (tmp_path / "out").exists()
