@@ -2,10 +2,10 @@
 # One prepared GPU benchmark: `revffn check` (bf16) and `revffn bench` (full, ckpt, revffn, and revffn with
 # the in-backward step + adamw8bit / adafactor, and CPU-offloaded AdamW) at the
 # Qwen1.5-MoE-A2.7B geometry (config-only preset: random init, bf16), on one CUDA GPU, offline; then a
-# 1-GPU torchrun smoke run (NCCL) of a tiny revffn model per strategy, ddp and fsdp; then a step profile of ckpt
-# against the buffered coupling (scripts/gpu_profile.py; PROFILE=0 skips it).
-# Finishes in about 5 minutes, plus the profile's 2-3, on an H100/H200 (8 of the 24 layers; the full depth needs
-# ~130 GiB for `full`: FULL_DEPTH=1 adds that run). Results (JSON, markdown, plot, log) go to $OUT if set,
+# 1-GPU torchrun smoke run (NCCL) of a tiny revffn model per strategy, ddp and fsdp; PROFILE=1 adds a step
+# profile of ckpt against the buffered coupling (scripts/gpu_profile.py, 3-5 minutes: better a command of its own).
+# Finishes in about 5 minutes on an H100/H200 (8 of the 24 layers; the full depth needs ~130 GiB for `full`:
+# FULL_DEPTH=1 adds that run). Results (JSON, markdown, plot, log) go to $OUT if set,
 # else runs/gpu_bench.
 #
 #   bash scripts/gpu_bench.sh
@@ -73,12 +73,13 @@ for strategy in ddp fsdp; do
   { [ $rc -ne 0 ] || [ ! -f "$DEST/torchrun_$strategy/final/revffn.json" ]; } && status=1
 done
 # -- 4. where the step's time goes (scripts/gpu_profile.py): ckpt, ckpt under deterministic kernels, the buffered
-#       default chunked and not, the additive coupling; at the bench's hidden-1024 profile (PROFILE=0 skips it) ---
-if [ "${PROFILE:-1}" = 1 ]; then
+#       default with and without them, chunked and not, the additive coupling; at the bench's hidden-1024 profile
+#       (PROFILE=1; alone: python scripts/gpu_profile.py --out $OUT/profile) ----------------------------------
+if [ "${PROFILE:-0}" = 1 ]; then
   PROFILE_ARGS=(--layers 8 --hidden 1024 --batch 4 --seq 2048)
   [ "${TINY:-0}" = 1 ] && PROFILE_ARGS=(--layers 1 --hidden 64 --batch 2 --seq 16 --dtype float32 --steps 1 --threads 1)
   log "scripts/gpu_profile.py ${PROFILE_ARGS[*]} ($DEVICE)"
-  timeout 240 "$PY" scripts/gpu_profile.py --out "$DEST/profile" --device "$DEVICE" --timeout 60 "${PROFILE_ARGS[@]}" \
+  timeout 400 "$PY" scripts/gpu_profile.py --out "$DEST/profile" --device "$DEVICE" --timeout 90 "${PROFILE_ARGS[@]}" \
     >>"$LOG" 2>&1
   rc=$?; log "profile exit code $rc"; [ $rc -gt 1 ] && status=1
 fi

