@@ -294,7 +294,9 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read, override and validate a training config. `path=None` is the built-in quickstart.
+    """Read, override and validate a training config. `path=None` is the built-in quickstart, whose `eval_data` (its
+    own task's test split) goes with its `data`: a `data` override without an `eval_data` one evaluates on nothing,
+    rather than scoring another task's exact match at the end of the run.
 
     Raises:
         UserError: listing every problem at once.
@@ -306,6 +308,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     path_keys = frozenset([k for k, key in SCHEMA.items() if key.path] + [
         f"{m}.{k}" for m, keys in method_section_schema().items() for k, key in keys.items() if key.path])
     over = parse_overrides(overrides or [], path_keys)
+    if path is None and "data" in over and "eval_data" not in over:
+        over["eval_data"] = None  # (the quickstart's test split is its own task's)
     data = _merge(data, over)
     overridden = set(_dotted(over))
 

@@ -51,3 +51,13 @@ def test_the_config_crosses_processes():
     cfg = load_config(None, ["revffn.stream_width=half"])
     again = pickle.loads(pickle.dumps(cfg))
     assert again == cfg and type(again.options("revffn")) is METHODS["revffn"].Options
+
+
+def test_the_quickstart_evaluates_its_own_task_only():
+    """The quickstart's eval_data is its task's test split: a data override alone drops it (else a run on other
+    data would end by scoring the comma task's exact match); given, or with the quickstart's data, it stays."""
+    assert load_config(None).eval_data == "builtin:commas_test"
+    assert load_config(None, ["model=tiny-qwen2-moe", "max_steps=5"]).eval_data == "builtin:commas_test"
+    assert load_config(None, ["data=builtin:reversal_train"]).eval_data is None
+    both = load_config(None, ["data=builtin:reversal_train", "eval_data=builtin:reversal_test"])
+    assert both.eval_data == "builtin:reversal_test"
