@@ -70,6 +70,12 @@ def worker_args(ns, variant: str) -> dict:
     return bench_args(spec, method)
 
 
+def unprofiled(row: dict, profiled_status: str | None = None) -> dict:
+    """A variant's result where nothing was profiled (its run, or its profiled run, failed before the timed steps)."""
+    return {"row": row, "profiled_status": profiled_status, "ops": [], "kernels": [], "kernel_us": 0.0,
+            "categories": {}, "table": ""}
+
+
 def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
     """In this process: the plain row, then the profiled one's ops (self time per op, and per category)."""
     import torch
@@ -88,7 +94,7 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
         revffn_method.deterministic_kernels = lambda device: None
     row = run(args)
     if row.get("status") != "ok":  # (its error says why; a profile of the same failure would only repeat it)
-        return {"row": row, "profiled_status": None, "ops": [], "categories": {}, "clock": "", "table": ""}
+        return unprofiled(row)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities)
     step, calls, state = worker.train_step, [], {"on": False}
@@ -114,8 +120,7 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
         if state["on"]:  # a step raised (the row says so): what ran until then is still profiled
             prof.stop()
     if len(calls) < 2:  # the build or the warm-up step failed: nothing was profiled
-        return {"row": row, "profiled_status": profiled.get("status"), "ops": [], "categories": {},
-                "clock": "device" if cuda else "cpu", "table": ""}
+        return unprofiled(row, profiled.get("status"))
     events = prof.key_averages()
 
     # the device clock's name: `self_device_time_total` since torch 2.4 (`self_cuda_time_total` is its deprecated alias)
@@ -136,8 +141,7 @@ def profile_one(args: dict, deterministic: str | None, top: int) -> dict:
         totals[category(o["op"])] = totals.get(category(o["op"]), 0.0) + o["self_us"]
     table = events.table(sort_by=key, row_limit=top)
     return {"row": row, "profiled_status": profiled.get("status"), "ops": ops[:top], "kernels": kernels[:top],
-            "kernel_us": sum(k["self_us"] for k in kernels), "categories": totals,
-            "clock": "device" if cuda else "cpu", "table": table}
+            "kernel_us": sum(k["self_us"] for k in kernels), "categories": totals, "table": table}
 
 
 def render(result: dict) -> str:
@@ -148,7 +152,7 @@ def render(result: dict) -> str:
     lines = [f"# Step profile: {result['model']}, hidden {result['hidden']}, {result['layers']} layers, "
              f"{result['batch']} x {result['seq']} tokens, {result['dtype']}, {result['device']}", "",
              "`python scripts/gpu_profile.py " + " ".join(result["argv"]) + "`", "",
-             "Tokens/s from the plain run; milliseconds of self " + (rows and next(iter(rows.values()))["clock"] or "")
+             "Tokens/s from the plain run; milliseconds of self " + ("device" if result["device"] == "cuda" else "cpu")
              + f" time per category over the profiled run's {result['steps']} timed steps (host-side ops, each with"
              " the device time of the kernels it launched; `kernels`: the device's kernels in all).", "",
              "| variant | status | tokens/s | ÷ ckpt | " + " | ".join(cats) + " | kernels |",
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             got, error = None, f"over {ns.timeout:.0f} s"
         if got is None:
-            got = {"row": {"status": "error", "error": error}, "ops": [], "categories": {}, "clock": "", "table": ""}
+            got = unprofiled({"status": "error", "error": error})
         (out / f"ops_{v.replace('+', '_')}.txt").write_text(got.pop("table"))
         result["variants"][v] = got
         tps = got["row"].get("tokens_per_s")
