@@ -49,6 +49,7 @@ from torch import nn
 from revffn.conversion.convert import local_rows, write_full
 from revffn.models.loading import (
     converted_skeleton,
+    freeze_imports,
     is_converted,
     model_kind,
     resolve_model_ref,
@@ -93,6 +94,7 @@ def _meta_model(config, dtype: torch.dtype) -> nn.Module:
 def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
     """`model`'s HF causal LM as `load_hf` builds it, but with no weights: parameters on the meta device (for a
     converted directory, the `RevFFNForCausalLM` it holds)."""
+    freeze_imports()
     path = Path(resolve_model_ref(model))
     if is_converted(str(path)):
         return converted_skeleton(path, _meta_model(stored_config(path), dtype))

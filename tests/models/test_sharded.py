@@ -401,3 +401,30 @@ def test_a_shallower_model_keeps_a_valid_config():
         config = hf.config
         assert len(config.layer_types) == config.num_hidden_layers == 2
         assert type(config).from_dict(config.to_dict()).layer_types == config.layer_types
+
+
+def test_the_first_model_build_freezes_the_imports_once_and_nothing_built_after():
+    """`freeze_imports`: the objects alive at a process's first build (its imports) leave the collector's scans;
+    the model built then, and a second build, stay collectable (a reference cycle among them is freed)."""
+    code = """if True:
+        import gc, json, torch
+        from revffn.models.loading import load_hf
+        from revffn.models.sharded import meta_hf
+        before = gc.get_freeze_count()
+        hf = meta_hf("builtin:base")
+        first = gc.get_freeze_count()
+        load_hf("builtin:base")
+        second = gc.get_freeze_count()
+        class Node: pass
+        a, b = Node(), Node(); a.b, b.a = b, a  # a cycle made after the freeze
+        probe = [id(a)]; del a, b
+        freed = gc.collect() > 0 and not any(id(o) == probe[0] for o in gc.get_objects())
+        print(json.dumps({"before": before, "first": first, "second": second, "frozen_model": gc.is_tracked(hf)
+                          and any(m is hf for m in gc.get_objects()), "freed": freed}))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == 0 and got["first"] > 100_000  # torch's and transformers' imports
+    assert got["second"] <= got["first"]  # once a process (a frozen object that refcounting frees leaves the count)
+    assert got["frozen_model"]  # gc.get_objects() lists only the collectable: the model built after is
+    assert got["freed"]
