@@ -100,18 +100,25 @@ def test_parent_survives_killed_garbage_and_hanging_workers(tmp_path, monkeypatc
 def test_a_worker_loads_peft_before_its_baseline_only_for_the_methods_that_use_it(method, loaded):
     """A LoRA worker's memory baseline is taken with peft loaded (its peak counts its tensors, not peft's code); a
     worker of a method that never uses peft does not load it (its start-up is what `revffn train`'s is). Every
-    worker has transformers' model classes loaded by then (lazy in transformers: else inside the timed start-up)."""
+    worker has transformers' model classes loaded by then (lazy in transformers: else inside the timed start-up), the
+    model's own module and transformers' table of checkpoint conversions (`load_library`)."""
     import subprocess
     import sys
 
-    code = ("import json, sys; from revffn.reports.workers import bench as w; "
+    code = ("import json, sys; import transformers.conversion_mapping as cm; "
+            "from revffn.reports.workers import bench as w; "
             "w.current_rss_bytes = lambda: print('baseline', 'peft' in sys.modules, "
-            "'transformers.modeling_utils' in sys.modules) or 0; "
+            "'transformers.modeling_utils' in sys.modules, "
+            "'transformers.models.qwen2_moe.modeling_qwen2_moe' in sys.modules, "
+            "cm._checkpoint_conversion_mapping_cache is not None) or 0; "
             "w.run = lambda args, baseline: {'method': args['method']}; "
-            f"w.main([json.dumps({{'method': '{method}'}})]); print('end', 'peft' in sys.modules)")
+            f"w.main([json.dumps({{'model': 'tiny-qwen2-moe', 'method': '{method}'}})]); "
+            "print('end', 'peft' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"baseline {loaded} True" in out.stdout and f"end {loaded}" in out.stdout
+    assert f"baseline {loaded} True True True" in out.stdout and f"end {loaded}" in out.stdout
+    row = json.loads(out.stdout.splitlines()[-2])
+    assert row["library_s"] > 0
 
 
 def test_a_worker_of_an_unknown_method_prints_an_error_row():

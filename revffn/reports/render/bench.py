@@ -230,6 +230,11 @@ def ranks_markdown(data: dict) -> str:
         speed.append(f"| {r['method']} | {one['tokens_per_s']:.0f} ({one.get('threads')} threads) | "
                      f"{r['tokens_per_s']:.0f} ({r.get('threads')} threads each) | "
                      f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")
+    library = [x for r in rows for x in (r.get("one_process") or {}, *r.get("ranks", ())) if "library_s" in x]
+    if library and len(load) > 4:  # (a bench.json from before the field has none)
+        load += ["", "The time counts from the end of the imports, transformers' lazily loaded ones included (the "
+                 "model's module and its table of checkpoint conversions, made before the clock: "
+                 f"{min(x['library_s'] for x in library):.2f}-{max(x['library_s'] for x in library):.2f} s a process)."]
     cuda = any(r.get("peak_reserved_bytes") for r in rows)
     notes = ["", f"static: the parameters, gradients and optimizer states a process holds from step to step (of a "
              f"sharded FSDP2 DTensor, its local shard); (est.): `revffn estimate --world-size {n} --distributed "

@@ -17,7 +17,8 @@ parent gathers them.
 
 Imports come before the start-up's clock and memory baseline: transformers loads its modules lazily, so the model
 classes' (1.2-2.6 s on 2 cores where torchao and scipy are installed, which transformers then imports) are loaded
-here, not inside the timed build, on every rank and in the one process alike.
+here, not inside the timed build, on every rank and in the one process alike; so are the model's own module and
+transformers' table of checkpoint conversions (`load_library`, its time the row's `library_s`).
 
 Memory: on CPU `peak_mem_bytes` is the peak RSS over the steps (the high-water mark reset once the model is
 built, `peak_since: built`; `load_peak_rss_bytes` is the start-up's) minus the RSS right after the imports; on
@@ -140,6 +141,24 @@ class _Probe:
         self.t1 = time.perf_counter()
 
 
+def load_library(args: dict) -> float:
+    """What transformers makes on first use, made before the start-up's clock as the imports are, in the one process
+    and on every rank alike: the module of the model's classes (its lazy import) and its table of checkpoint
+    conversions (every arch's key renamings, their regular expressions compiled: 0.07-0.36 s on 2 cores). Neither
+    depends on the model's size, nor can sharding divide it. Returns its seconds (the row's `library_s`)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from revffn.models.loading import hf_config
+
+    t = time.perf_counter()
+    with contextlib.suppress(Exception):  # a model that cannot be found or built fails in `run`, as a row
+        cfg = train_config(args)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config(cfg.model, **cfg.model_config))]
+        get_checkpoint_conversion_mapping("")  # builds the whole table once
+    return time.perf_counter() - t
+
+
 def peer_wait_s(joining: float, device: torch.device) -> float:
     """How long this rank waited in the process group's rendezvous for the last rank to join (`joining`: its wall
     clock as it began to join): the ranks' imports end apart (5-6 s each on 2 shared CPU cores, up to 0.8 s
@@ -240,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(Exception):  # (a method that cannot be found or imported fails in `run`, as a row)
         for library in method_class(args["method"], args.get("method_module")).LIBRARIES:  # (peft: LoRA, DoRA)
             importlib.import_module(library)  # as the method's prepare would, but before the baseline
+    library_s = load_library(args)
     baseline = current_rss_bytes()  # after the imports, before anything is built
-    row = run(args, baseline)
+    row = {**run(args, baseline), "library_s": library_s}
     if args.get("nproc", 1) > 1:  # torchrun's ranks share the parent's stdout: each line names its rank
         row = {**row, "rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1))}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
