@@ -161,7 +161,7 @@ def load_library(args: dict) -> float:
 
 def peer_wait_s(joining: float, device: torch.device) -> float:
     """How long this rank waited in the process group's rendezvous for the last rank to join (`joining`: its wall
-    clock as it began to join): the ranks' imports end apart (5-6 s each on 2 shared CPU cores, up to 0.8 s
+    clock as it began to join): the ranks' imports end apart (4.8-7.0 s each on 2 shared CPU cores, up to 2.1 s
     apart), and the group forms only when the last rank's have. A rank's `load_s` less this is its own start-up
     work, the process group's included. One node's ranks share one clock; across nodes it is as good as their
     clocks agree."""
