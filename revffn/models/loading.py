@@ -18,6 +18,7 @@ A reference is one of (`model_kind`):
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 from pathlib import Path
@@ -256,9 +257,7 @@ def converted_option(model: str, name: str, key: str = "model"):
     return CONVERTED_DEFAULTS[name] if held is None else held
 
 
-_IMPORTS_FROZEN = False
-
-
+@functools.cache  # once a process
 def freeze_imports() -> None:
     """Exempt what the process holds now from the cyclic garbage collector (`gc.freeze`), once a process: before
     its first model build, that is torch's, transformers' and revffn's imports, ~414k objects, which every full
@@ -266,10 +265,7 @@ def freeze_imports() -> None:
     builtin:smollm2-moe's start-up, in one process and on each rank alike (`revffn bench --nproc 2`). Refcounting
     still frees a frozen object once unreferenced; only a reference cycle among objects alive at the first build
     is never collected. Called by the two builders, `load_hf` and `models.sharded.meta_hf`."""
-    global _IMPORTS_FROZEN
-    if not _IMPORTS_FROZEN:
-        gc.freeze()
-        _IMPORTS_FROZEN = True
+    gc.freeze()
 
 
 def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config_overrides):

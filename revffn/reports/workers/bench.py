@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from revffn.memory.measure import SavedTensorLog, current_rss_bytes, peak_rss_bytes, reset_rss_peak
 from revffn.methods import method_class
-from revffn.models.loading import build_hf
+from revffn.models.loading import build_hf, hf_config
 from revffn.models.sharded import sharded_loadable
 from revffn.reports.bench import train_config
 from revffn.training.parallel import init_distributed, pick_distributed
@@ -148,8 +148,6 @@ def load_library(args: dict) -> float:
     depends on the model's size, nor can sharding divide it. Returns its seconds (the row's `library_s`)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from revffn.models.loading import hf_config
 
     t = time.perf_counter()
     with contextlib.suppress(Exception):  # a model that cannot be found or built fails in `run`, as a row
