@@ -122,7 +122,8 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
     spec = resolve(BenchSpec(args.model, methods, args.layers, args.hidden, args.batch, args.seq, args.steps,
                              args.dtype, args.device, args.seed, args.threads, list(args.set), args.timeout,
-                             args.nproc, args.distributed, [p.strip() for p in args.peers.split(",") if p.strip()]))
+                             args.nproc, args.distributed, [p.strip() for p in args.peers.split(",") if p.strip()],
+                             args.repeat))
     if args.sweep:
         if spec.nproc > 1:
             raise UserError(f"--sweep with --nproc {spec.nproc}: a sweep runs in one process per point. Fix: "
@@ -427,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", default="", metavar="PEER[,PEER]", help="also run the tools users would run instead, "
                    "each without and with gradient checkpointing: hf-trainer (transformers.Trainer), trl-sft "
                    "(TRL's SFTTrainer, where installed); NAME+ckpt: only the run with checkpointing")
+    b.add_argument("--repeat", type=_positive, default=1, help="measure each method N times, fresh processes each "
+                   "time; the row holds the medians (start-up and tokens/s vary run to run)")
     b.add_argument("--sweep", default=None, metavar="VAR=V1,V2,...", help="layers=4,8,16 | seq=256,512 | batch=... "
                    "| hidden=...: every method at every value; writes sweep.json/md/png")
     b.add_argument("--out", default=None, help="output directory")

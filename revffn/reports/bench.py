@@ -22,6 +22,9 @@ saves per rank shows as a ratio (`static_vs_one_process`, `peak_vs_one_process`)
 `Trainer`, TRL's `SFTTrainer`) without and with gradient checkpointing: rows `hf-trainer` and
 `hf-trainer+ckpt`, the same model, batch, dtype and optimizer, measured the same way, in the same kind of
 fresh process. On CPU every worker runs with `ALLOC_ENV` (recorded in `run_info.worker_env`).
+
+`--repeat N` measures each configuration N times, in fresh processes each time: every figure of the row is the
+median of the N runs' (of each rank's, rank by rank), and `repeats` keeps each run's timings for the spread.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -68,6 +72,7 @@ class BenchSpec:
     nproc: int = 1  # processes (torchrun ranks) per measurement; `batch` is per rank
     distributed: str | None = None  # none | ddp | fsdp; None: fsdp when nproc > 1
     peers: list[str] = field(default_factory=list)  # of PEERS: each also run with gradient checkpointing
+    repeat: int = 1  # runs per measurement, each in fresh processes; the row holds their medians
 
 
 def resolve(spec: BenchSpec) -> BenchSpec:
@@ -211,7 +216,8 @@ def estimate_fields(args: dict) -> dict:
 # CPU worker, revffn's and the peers', runs with it.
 ALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 MAX_OVER_RANKS = ("peak_mem_bytes", "peak_reserved_bytes", "activation_bytes", "routing_record_bytes", "param_bytes",
-                  "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total", "load_peak_rss_bytes", "load_s")
+                  "grad_bytes", "optimizer_state_bytes", "optimizer_state_bytes_total", "load_peak_rss_bytes", "load_s",
+                  "rendezvous_s")
 
 
 def _free_port() -> int:
@@ -256,6 +262,39 @@ def run_worker(args: dict, timeout: float | None = None) -> dict:
     if 0 in rows:
         return {**rows[0], "process_s": elapsed}
     return {"method": args["method"], "status": "error", "error": _no_result(proc, stderr), "process_s": elapsed}
+
+
+REPEAT_FIELDS = ("load_s", "rendezvous_s", "load_peak_rss_bytes", "tokens_per_s", "peak_mem_bytes", "process_s")
+
+
+def repeated(runner: Runner, args: dict, timeout: float | None, n: int) -> dict:
+    """`runner` `n` times (fresh processes each): one row, each numeric figure the median of the runs' (of each
+    rank's, rank by rank, the row's then combined as `combine_ranks` does); a failed run is the row. `repeats`: each
+    run's `REPEAT_FIELDS` (of each rank under `ranks`), for the spread."""
+    runs = [runner(args, timeout) for _ in range(n)]
+    bad = next((r for r in runs if r.get("status") != "ok"), None)
+    if n == 1 or bad is not None:
+        return bad or runs[0]
+    if runs[0].get("ranks"):
+        ranks = [_medians([r["ranks"][i] for r in runs]) for i in range(len(runs[0]["ranks"]))]
+        row = {**combine_ranks(args["method"], ranks), "process_s": statistics.median(r["process_s"] for r in runs)}
+    else:
+        row = _medians(runs)
+
+    def kept(r: dict) -> dict:
+        return {k: r[k] for k in REPEAT_FIELDS if k in r} | ({"ranks": [kept(x) for x in r["ranks"]]}
+                                                             if r.get("ranks") else {})
+
+    return {**row, "repeats": [kept(r) for r in runs]}
+
+
+def _medians(rows: list[dict]) -> dict:
+    """The first row, each number in it replaced by the median of the rows' (where every row has one)."""
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    return {k: statistics.median(r[k] for r in rows) if number(v) and all(number(r.get(k)) for r in rows) else v
+            for k, v in rows[0].items()}
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -310,16 +349,12 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
     if spec.nproc > 1:
         one = measure(replace(spec, nproc=1, distributed="none"), method, runner, env)
     args = {**worker_args(spec, method), **({"env": env} if env else {})}
-    row = {**(runner or run_worker)(args, spec.timeout), "method": method}  # the label: variants stay apart
+    row = {**repeated(runner or run_worker, args, spec.timeout, spec.repeat), "method": method}  # (variants apart)
     if row.get("status") == "ok":
         ranks = row.get("ranks") or [row]
         for r in ranks:  # what the process holds from step to step
             r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
-            if "load_s" in r:  # its own start-up: less its wait for the last rank to join (`workers.bench.peer_wait_s`)
-                r["load_work_s"] = r["load_s"] - r.get("load_wait_s", 0.0)
         row["static_bytes"] = max(r["static_bytes"] for r in ranks)
-        if "load_s" in row and row.get("ranks"):
-            row["load_work_s"] = max(r["load_work_s"] for r in ranks)
         if one is not None and one.get("status") == "ok":
             for r in [row, *row["ranks"]]:
                 r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
@@ -327,7 +362,6 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
                 if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
                     r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
                     r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
-                    r["load_work_s_vs_one_process"] = r["load_work_s"] / one["load_s"]
     row.update(estimate_fields(args))
     if one is not None:
         row["one_process"] = one

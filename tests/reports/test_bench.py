@@ -11,6 +11,7 @@ from revffn.reports import bench
 from revffn.reports.bench import BenchSpec, resolve, run_bench, worker_args
 from revffn.reports.render.bench import bench_markdown, write_bench
 from revffn.reports.workers import bench as bench_worker
+from tests.reports import late_rank_worker
 
 pytestmark = pytest.mark.integration  # subprocess runs (CLI, workers)
 
@@ -164,6 +165,16 @@ def test_sweep_over_layers_on_a_config_only_preset(tmp_path):
     assert "layers=2" in md and "revffn routing records" in md
 
 
+def test_repeat_runs_each_method_in_fresh_processes_and_the_page_says_medians(tmp_path):
+    rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full", "--layers", "1", "--hidden", "32",
+                   "--batch", "1", "--seq", "8", "--steps", "1", "--threads", "1", "--repeat", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["results"]
+    loads = [r["load_s"] for r in row["repeats"]]
+    assert row["status"] == "ok" and len(loads) == 2 and row["load_s"] == pytest.approx(sum(loads) / 2)
+    assert "each figure the median of 2 runs" in (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("argv", [["--methods", "full,fulll"], ["--sweep", "depth=1,2"], ["--sweep", "layers=0"],
                                   ["--model", "tiny-nope"], ["--dtype", "float16"], ["--set", "lora.r=0"]])
 def test_bad_input_exit_2(tmp_path, argv, capsys):
@@ -172,9 +183,12 @@ def test_bad_input_exit_2(tmp_path, argv, capsys):
     assert not (tmp_path / "bench.json").exists()
 
 
-def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
+def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path, monkeypatch):
     """Two torchrun ranks (FSDP2, gloo): each holds about half the parameters, gradients and AdamW states
-    of one process (sharded along dim 0, so not exactly half), for full and revffn alike."""
+    of one process (sharded along dim 0, so not exactly half), for full and revffn alike. Rank 1 joins the
+    process group 3 s after rank 0 (tests/reports/late_rank_worker.py): rank 0's start-up does not count the wait."""
+    monkeypatch.setattr(bench, "WORKER_MODULE", "tests.reports.late_rank_worker")
+    monkeypatch.setenv("REVFFN_TEST_JOINING", str(tmp_path / "joining"))
     rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full,revffn", "--layers", "2", "--hidden", "64",
                    "--batch", "1", "--seq", "16", "--steps", "1", "--threads", "1", "--nproc", "2", "--out",
                    str(tmp_path)])
@@ -195,15 +209,14 @@ def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path):
             assert x["load_peak_rss_bytes"] >= x["baseline_rss_bytes"] and x["load_s"] > 0, x
         assert r["load_peak_rss_bytes"] == max(x["load_peak_rss_bytes"] for x in r["ranks"])
         assert r["load_s_vs_one_process"] == r["load_s"] / one["load_s"]
-        # a rank's wait for its peers' imports: the last rank to finish them waits for none
-        assert one["load_wait_s"] == 0.0 and min(x["load_wait_s"] for x in r["ranks"]) == 0.0
-        for x in r["ranks"]:
-            assert 0.0 <= x["load_wait_s"] < x["load_s"] and x["load_work_s"] == x["load_s"] - x["load_wait_s"]
-        assert r["load_work_s"] == max(x["load_work_s"] for x in r["ranks"])
-        assert r["load_work_s_vs_one_process"] == r["load_work_s"] / one["load_s"]
+        # the start-up's clock starts once every rank has joined: the rendezvous is timed apart, 0 in one process
+        early, late = r["ranks"]
+        assert one["rendezvous_s"] == 0.0 and early["rendezvous_s"] >= late_rank_worker.LATE_S > late["rendezvous_s"]
+        assert early["load_s"] < one["load_s"] + late_rank_worker.LATE_S / 2  # half the work, without the wait
+        assert r["rendezvous_s"] == max(x["rendezvous_s"] for x in r["ranks"])
     md = (tmp_path / "bench.md").read_text()
     assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
-    assert "### Start-up per rank" in md and "less the wait for the last rank to join" in md
+    assert "### Start-up per rank" in md and "rendezvous s per rank" in md
 
 
 def test_a_failed_rank_fails_the_row_and_names_the_rank():
@@ -213,6 +226,38 @@ def test_a_failed_rank_fails_the_row_and_names_the_rank():
     row = bench.combine_ranks("full", [{**ok, "rank": 0}, {**ok, "rank": 1, "peak_mem_bytes": 12}])
     assert row["status"] == "ok" and row["peak_mem_bytes"] == 12 and row["tokens_per_s"] == 10.0
     assert "rank" not in row and [x["rank"] for x in row["ranks"]] == [0, 1]
+
+
+def test_repeat_keeps_each_figure_s_median_rank_by_rank_and_a_failed_run_fails_the_row():
+    """--repeat 3: each figure is the median of the three runs' (each rank's apart; the row's max over ranks then of
+    those medians, not the median of each run's max), every run's timings kept; a failed run is the row."""
+    def rank(r, load_s, tokens):
+        return {"rank": r, "status": "ok", "load_s": load_s, "tokens_per_s": tokens, "peak_mem_bytes": 10 + r,
+                "loading": "sharded"}
+
+    def run(loads, tokens, process_s):
+        return {"method": "full", "status": "ok", "process_s": process_s,
+                "ranks": [rank(0, loads[0], tokens[0]), rank(1, loads[1], tokens[1])]}
+
+    runs = [run((1.0, 5.0), (4.0, 1.0), 30.0), run((2.0, 0.5), (6.0, 3.0), 10.0), run((9.0, 1.0), (5.0, 2.0), 20.0)]
+    calls = []
+
+    def runner(args, timeout):
+        calls.append(args["method"])
+        return runs[len(calls) - 1]
+
+    row = bench.repeated(runner, {"method": "full"}, None, 3)
+    assert calls == ["full"] * 3
+    assert [x["load_s"] for x in row["ranks"]] == [2.0, 1.0] and row["load_s"] == 2.0  # each run's max: 5, 2, 9
+    assert row["tokens_per_s"] == 5.0 + 2.0 and row["peak_mem_bytes"] == 11 and row["process_s"] == 20.0
+    assert row["ranks"][0]["loading"] == "sharded" and row["status"] == "ok"
+    assert [r["ranks"][1]["load_s"] for r in row["repeats"]] == [5.0, 0.5, 1.0]
+    one = [{"method": "full", "status": "ok", "load_s": v, "loading": "whole"} for v in (3.0, 1.0, 2.0)]
+    assert bench.repeated(lambda a, t: one.pop(), {"method": "full"}, None, 3)["load_s"] == 2.0
+    failed = {"method": "full", "status": "error", "error": "rank 1: exit code 1"}
+    runs[1] = failed
+    calls.clear()
+    assert bench.repeated(runner, {"method": "full"}, None, 3) == failed
 
 
 @pytest.mark.parametrize("argv", [["--nproc", "2", "--distributed", "none"],  # (--nproc 0: argparse, test_fault_suite)

@@ -51,9 +51,10 @@ def describe(data: dict) -> str:
         a = {**a, **{k: "(swept)" for k in ("batch", "seq") if k == swept}}
     ranks = f", {a['nproc']} ranks ({a['distributed']})" if a.get("nproc", 1) > 1 else ""
     per_rank = " per rank" if ranks else ""
+    runs = f", each figure the median of {a['repeat']} runs" if a.get("repeat", 1) > 1 else ""
     return (f"{a['model']}, {layers} layers, hidden {hidden}, batch {a['batch']} x seq {a['seq']}{per_rank}, "
             f"{a['dtype']}, {a['device']} ({where}; {meta.get('torch_threads')} threads), timed steps: "
-            f"{a['steps']}{ranks}")
+            f"{a['steps']}{ranks}{runs}")
 
 
 def _header(data: dict, title: str) -> list[str]:
@@ -204,7 +205,7 @@ def ranks_markdown(data: dict) -> str:
             "prepared, sharded), and the time that took", "",
             f"| method | load peak MiB, 1 process | load peak MiB per rank: max ({ranks}) | ÷ 1 process | "
             f"load s, 1 process | load s per rank: max ({ranks}) | ÷ 1 process | "
-            f"less the wait for the last rank to join: max ({ranks}) | ÷ 1 process |", "|---|" + "---:|" * 8]
+            f"rendezvous s per rank: max ({ranks}) |", "|---|" + "---:|" * 7]
     speed = ["", "### Speed and saved-for-backward bytes", "",
              "| method | tokens/s, 1 process | tokens/s, all ranks | saved for backward MiB, 1 process | "
              "saved for backward MiB per rank: max |", "|---|" + "---:|" * 4]
@@ -221,12 +222,12 @@ def ranks_markdown(data: dict) -> str:
         by_kind.append(f"| {r['method']} | " + " | ".join(f"{_mib(one[k])} -> {_mib(r[k])} ({_ratio(r[k], one[k])})"
                                                          for k, _ in kinds) + " |")
         if r.get("load_rss_vs_one_process"):
-            work = (f"{r['load_work_s']:.2f} ({_each(r, 'load_work_s')}) | {r['load_work_s_vs_one_process']:.2f}"
-                    if "load_work_s_vs_one_process" in r else "– | –")  # (a bench.json from before the field)
+            met = (f"{r['rendezvous_s']:.2f} ({_each(r, 'rendezvous_s')})" if "rendezvous_s" in r
+                   else "–")  # (a bench.json from before the field)
             load.append(f"| {r['method']} | {_mib(one['load_peak_rss_bytes'])} | "
                         f"{_per_rank(r, 'load_peak_rss_bytes')} | {r['load_rss_vs_one_process']:.2f} | "
                         f"{one['load_s']:.2f} | {r['load_s']:.2f} ({_each(r, 'load_s')}) | "
-                        f"{r['load_s_vs_one_process']:.2f} | {work} |")
+                        f"{r['load_s_vs_one_process']:.2f} | {met} |")
         speed.append(f"| {r['method']} | {one['tokens_per_s']:.0f} ({one.get('threads')} threads) | "
                      f"{r['tokens_per_s']:.0f} ({r.get('threads')} threads each) | "
                      f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")
@@ -234,7 +235,9 @@ def ranks_markdown(data: dict) -> str:
     if library and len(load) > 4:  # (a bench.json from before the field has none)
         load += ["", "The time counts from the end of the imports, transformers' lazily loaded ones included (the "
                  "model's module and its table of checkpoint conversions, made before the clock: "
-                 f"{min(x['library_s'] for x in library):.2f}-{max(x['library_s'] for x in library):.2f} s a process)."]
+                 f"{min(x['library_s'] for x in library):.2f}-{max(x['library_s'] for x in library):.2f} s a "
+                 "process), and of the process group's rendezvous: its own column, the wait for the last rank's "
+                 "imports included."]
     cuda = any(r.get("peak_reserved_bytes") for r in rows)
     notes = ["", f"static: the parameters, gradients and optimizer states a process holds from step to step (of a "
              f"sharded FSDP2 DTensor, its local shard); (est.): `revffn estimate --world-size {n} --distributed "

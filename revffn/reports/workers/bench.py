@@ -18,7 +18,8 @@ parent gathers them.
 Imports come before the start-up's clock and memory baseline: transformers loads its modules lazily, so the model
 classes' (1.2-2.6 s on 2 cores where torchao and scipy are installed, which transformers then imports) are loaded
 here, not inside the timed build, on every rank and in the one process alike; so are the model's own module and
-transformers' table of checkpoint conversions (`load_library`, its time the row's `library_s`).
+transformers' table of checkpoint conversions (`load_library`, its time the row's `library_s`). So is the process
+group's rendezvous (`rendezvous`, the row's `rendezvous_s`): the clock starts with every rank present.
 
 Memory: on CPU `peak_mem_bytes` is the peak RSS over the steps (the high-water mark reset once the model is
 built, `peak_since: built`; `load_peak_rss_bytes` is the start-up's) minus the RSS right after the imports; on
@@ -48,7 +49,7 @@ from revffn.methods import method_class
 from revffn.models.loading import build_hf, hf_config
 from revffn.models.sharded import sharded_loadable
 from revffn.reports.bench import train_config
-from revffn.training.parallel import init_distributed, pick_distributed
+from revffn.training.parallel import barrier, init_distributed, pick_distributed
 from revffn.training.setup import pick_device
 from revffn.training.step import Run, build_run, train_step
 
@@ -157,27 +158,29 @@ def load_library(args: dict) -> float:
     return time.perf_counter() - t
 
 
-def peer_wait_s(joining: float, device: torch.device) -> float:
-    """How long this rank waited in the process group's rendezvous for the last rank to join (`joining`: its wall
-    clock as it began to join): the ranks' imports end apart (4.8-7.0 s each on 2 shared CPU cores, up to 2.1 s
-    apart), and the group forms only when the last rank's have. A rank's `load_s` less this is its own start-up
-    work, the process group's included. One node's ranks share one clock; across nodes it is as good as their
-    clocks agree."""
-    t = torch.tensor([joining], dtype=torch.float64, device=device)  # NCCL's group holds no CPU tensors
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return max(0.0, t.item() - joining)
+def rendezvous(strategy: str, device: torch.device, timeout_s: int) -> float:
+    """Join the process group as training does (`parallel.init_distributed`) and wait there for every rank: the
+    ranks' imports end apart (4.8-7.0 s each on 2 shared CPU cores, up to 2.4 s apart), and the group forms only
+    when the last rank joins. Returns its seconds (the row's `rendezvous_s`; 0 in one process). The start-up's clock
+    starts after it, with every rank present, as torchtune's model-load time ("Instantiating model and loading
+    checkpoint took") starts after `init_process_group`: what it measures is the load, which sharding divides, not
+    the launch."""
+    if strategy == "none":
+        return 0.0
+    t = time.perf_counter()
+    init_distributed(strategy, device, timeout_s)
+    barrier()
+    return time.perf_counter() - t
 
 
 def measure(args: dict, baseline_rss: int | None = None) -> dict:
     """Build, warm up, time `steps` optimizer steps; the result row (without status handling)."""
-    t_build = time.perf_counter()
     method_class(args["method"], args.get("method_module"))  # a method registered outside the package
     cfg = train_config(args)
     device, weights_dtype, autocast_dtype = pick_device(cfg)
     strategy = pick_distributed(cfg)
-    joining = time.time()
-    init_distributed(strategy, device, cfg.distributed_timeout)
-    wait_s = peer_wait_s(joining, device) if strategy != "none" else 0.0
+    rendezvous_s = rendezvous(strategy, device, cfg.distributed_timeout)
+    t_build = time.perf_counter()
     rank = torch.distributed.get_rank() if strategy != "none" else 0
     # under FSDP a checkpoint loads shard by shard as training loads it (`models.sharded`); otherwise as it builds
     hf = None if strategy == "fsdp" and sharded_loadable(cfg.model, cfg.model_config) else \
@@ -196,8 +199,8 @@ def measure(args: dict, baseline_rss: int | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     build_s = time.perf_counter() - t_build
     # start-up: the process's peak RSS from its start until the model is built, prepared (calibrated) and sharded,
-    # and the time that took (the process group, the build and the preparation; the imports before it)
-    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, load_wait_s=wait_s, loading=run.loading)
+    # and the time from the process group's forming until then (the build, the preparation and the sharding)
+    row.update(load_peak_rss_bytes=peak_rss_bytes(), load_s=build_s, rendezvous_s=rendezvous_s, loading=run.loading)
     row["peak_since"] = "built" if reset_rss_peak() else "start"  # the steps' peak, as CUDA's after its reset
     first = run.method.steady_state_step()
     times, stages = [], []
