@@ -267,17 +267,16 @@ def run_worker(args: dict, timeout: float | None = None) -> dict:
 REPEAT_FIELDS = ("load_s", "rendezvous_s", "load_peak_rss_bytes", "tokens_per_s", "peak_mem_bytes", "process_s")
 
 
-def repeated(runner: Runner, args: dict, timeout: float | None, n: int) -> dict:
-    """`runner` `n` times (fresh processes each): one row, each numeric figure the median of the runs' (of each
-    rank's, rank by rank, the row's then combined as `combine_ranks` does); a failed run is the row. `repeats`: each
-    run's `REPEAT_FIELDS` (of each rank under `ranks`), for the spread."""
-    runs = [runner(args, timeout) for _ in range(n)]
+def repeated(runs: list[dict], method: str) -> dict:
+    """One row of `runs`, the rows of one measurement repeated (`--repeat`, fresh processes each): each numeric figure
+    the median of the runs' (of each rank's, rank by rank, the row's then combined as `combine_ranks` does); a failed
+    run is the row. `repeats`: each run's `REPEAT_FIELDS` (of each rank under `ranks`), for the spread."""
     bad = next((r for r in runs if r.get("status") != "ok"), None)
-    if n == 1 or bad is not None:
+    if len(runs) == 1 or bad is not None:
         return bad or runs[0]
     if runs[0].get("ranks"):
         ranks = [_medians([r["ranks"][i] for r in runs]) for i in range(len(runs[0]["ranks"]))]
-        row = {**combine_ranks(args["method"], ranks), "process_s": statistics.median(r["process_s"] for r in runs)}
+        row = {**combine_ranks(method, ranks), "process_s": statistics.median(r["process_s"] for r in runs)}
     else:
         row = _medians(runs)
 
@@ -341,31 +340,40 @@ def _row_note(label: str, row: dict) -> str:
 
 def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dict | None = None) -> dict:
     """One result row: the worker's measurement (`runner`, default `run_worker`; `env`: extra
-    environment of its processes), its static bytes, and the estimate. With `spec.nproc` > 1, each
-    rank's static bytes and the same method in one process (`one_process`, measured first), to which
-    each rank's static bytes and peak are compared; on CPU both under `ALLOC_ENV`."""
-    one = None
+    environment of its processes; `spec.repeat` times, `repeated`), its static bytes, and the estimate. With
+    `spec.nproc` > 1, each rank's static bytes and the same method in one process (`one_process`, measured first,
+    and with --repeat in turn with the ranks: a drift in the machine's speed meets both alike), to which each
+    rank's static bytes, peak and start-up are compared; on CPU both under `ALLOC_ENV`."""
     env = env or (ALLOC_ENV if spec.device == "cpu" or spec.nproc > 1 else None)
-    if spec.nproc > 1:
-        one = measure(replace(spec, nproc=1, distributed="none"), method, runner, env)
-    args = {**worker_args(spec, method), **({"env": env} if env else {})}
-    row = {**repeated(runner or run_worker, args, spec.timeout, spec.repeat), "method": method}  # (variants apart)
-    if row.get("status") == "ok":
-        ranks = row.get("ranks") or [row]
-        for r in ranks:  # what the process holds from step to step
-            r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
-        row["static_bytes"] = max(r["static_bytes"] for r in ranks)
-        if one is not None and one.get("status") == "ok":
+    specs = [replace(spec, nproc=1, distributed="none"), spec] if spec.nproc > 1 else [spec]
+    args = [{**worker_args(s, method), **({"env": env} if env else {})} for s in specs]
+    runs: list[list[dict]] = [[] for _ in specs]
+    for _ in range(spec.repeat):
+        for a, done in zip(args, runs, strict=True):
+            done.append((runner or run_worker)(a, spec.timeout))
+    rows = [_row({**repeated(done, method), "method": method}, a) for a, done in zip(args, runs, strict=True)]
+    row, one = rows[-1], (rows[0] if len(rows) > 1 else None)  # (the label: variants stay apart)
+    if one is not None:
+        if row.get("status") == "ok" and one.get("status") == "ok":
             for r in [row, *row["ranks"]]:
                 r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
                 r["peak_vs_one_process"] = r["peak_mem_bytes"] / one["peak_mem_bytes"]
                 if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
                     r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
                     r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
-    row.update(estimate_fields(args))
-    if one is not None:
         row["one_process"] = one
     return row
+
+
+def _row(row: dict, args: dict) -> dict:
+    """A measurement's row with what each process holds from step to step (`static_bytes`; the row's, the max over
+    its ranks) and the estimate of the same configuration."""
+    if row.get("status") == "ok":
+        ranks = row.get("ranks") or [row]
+        for r in ranks:
+            r["static_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
+        row["static_bytes"] = max(r["static_bytes"] for r in ranks)
+    return {**row, **estimate_fields(args)}
 
 
 def _git(*cmd: str) -> str | None:

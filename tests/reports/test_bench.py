@@ -9,7 +9,7 @@ import torch
 from revffn import cli
 from revffn.reports import bench
 from revffn.reports.bench import BenchSpec, resolve, run_bench, worker_args
-from revffn.reports.render.bench import bench_markdown, write_bench
+from revffn.reports.render.bench import bench_markdown, ranks_markdown, write_bench
 from revffn.reports.workers import bench as bench_worker
 from tests.reports import late_rank_worker
 
@@ -167,7 +167,8 @@ def test_sweep_over_layers_on_a_config_only_preset(tmp_path):
 
 def test_repeat_runs_each_method_in_fresh_processes_and_the_page_says_medians(tmp_path):
     rc = cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full", "--layers", "1", "--hidden", "32",
-                   "--batch", "1", "--seq", "8", "--steps", "1", "--threads", "1", "--repeat", "2", "--out", str(tmp_path)])
+                   "--batch", "1", "--seq", "8", "--steps", "1", "--threads", "1", "--repeat", "2",
+                   "--out", str(tmp_path)])
     assert rc == 0
     (row,) = json.loads((tmp_path / "bench.json").read_text())["results"]
     loads = [r["load_s"] for r in row["repeats"]]
@@ -217,6 +218,10 @@ def test_nproc_2_under_fsdp_halves_what_each_rank_holds(tmp_path, monkeypatch):
     md = (tmp_path / "bench.md").read_text()
     assert "2 ranks (fsdp)" in md and "| full | ok |" in md and "| revffn | ok |" in md and "÷ 1 process" in md
     assert "### Start-up per rank" in md and "rendezvous s per rank" in md
+    for r in data["results"]:  # as --repeat 2 leaves them: each run's start-up, its slowest rank's
+        r["repeats"] = [{"load_s": 9.0, "ranks": [{"load_s": 0.5}, {"load_s": 0.7}]}, {"ranks": [{"load_s": 0.4}]}]
+        r["one_process"]["repeats"] = [{"load_s": 1.0}, {"load_s": 3.0}]
+    assert "full: 1 process 1.00, 3.00 s, per rank (max) 0.70, 0.40 s; revffn:" in ranks_markdown(data)
 
 
 def test_a_failed_rank_fails_the_row_and_names_the_rank():
@@ -240,24 +245,39 @@ def test_repeat_keeps_each_figure_s_median_rank_by_rank_and_a_failed_run_fails_t
                 "ranks": [rank(0, loads[0], tokens[0]), rank(1, loads[1], tokens[1])]}
 
     runs = [run((1.0, 5.0), (4.0, 1.0), 30.0), run((2.0, 0.5), (6.0, 3.0), 10.0), run((9.0, 1.0), (5.0, 2.0), 20.0)]
-    calls = []
-
-    def runner(args, timeout):
-        calls.append(args["method"])
-        return runs[len(calls) - 1]
-
-    row = bench.repeated(runner, {"method": "full"}, None, 3)
-    assert calls == ["full"] * 3
+    row = bench.repeated(runs, "full")
     assert [x["load_s"] for x in row["ranks"]] == [2.0, 1.0] and row["load_s"] == 2.0  # each run's max: 5, 2, 9
     assert row["tokens_per_s"] == 5.0 + 2.0 and row["peak_mem_bytes"] == 11 and row["process_s"] == 20.0
     assert row["ranks"][0]["loading"] == "sharded" and row["status"] == "ok"
     assert [r["ranks"][1]["load_s"] for r in row["repeats"]] == [5.0, 0.5, 1.0]
     one = [{"method": "full", "status": "ok", "load_s": v, "loading": "whole"} for v in (3.0, 1.0, 2.0)]
-    assert bench.repeated(lambda a, t: one.pop(), {"method": "full"}, None, 3)["load_s"] == 2.0
+    assert bench.repeated(one, "full")["load_s"] == 2.0
     failed = {"method": "full", "status": "error", "error": "rank 1: exit code 1"}
-    runs[1] = failed
-    calls.clear()
-    assert bench.repeated(runner, {"method": "full"}, None, 3) == failed
+    assert bench.repeated([runs[0], failed, runs[2]], "full") == failed
+
+
+def test_repeat_measures_the_one_process_and_the_ranks_in_turn(monkeypatch):
+    """--repeat with --nproc: one process, ranks, one process, ranks, ... (a drift in the machine's speed meets
+    both), each row the medians of its own runs, the ratio theirs."""
+    calls = []
+
+    def runner(args, timeout):
+        calls.append(args["nproc"])
+        i = len(calls)
+        row = {"status": "ok", "param_bytes": 8, "grad_bytes": 0, "optimizer_state_bytes": 0, "peak_mem_bytes": 4,
+               "load_peak_rss_bytes": 4, "load_s": float(i), "process_s": 1.0}
+        if args["nproc"] == 1:
+            return {**row, "method": "full"}
+        half = {**row, "param_bytes": 4, "load_s": i / 10}
+        return {**half, "method": "full", "ranks": [{**half, "rank": 0}, {**half, "rank": 1}]}
+
+    monkeypatch.setattr(bench, "estimate_fields", lambda args: {})
+    spec = BenchSpec("tiny-qwen2-moe", ["full"], batch=1, seq=8, steps=1, device="cpu", dtype="float32", nproc=2,
+                     distributed="fsdp", repeat=3)
+    row = bench.measure(spec, "full", runner)
+    assert calls == [1, 2, 1, 2, 1, 2]
+    assert row["one_process"]["load_s"] == 3.0 and row["load_s"] == 0.4  # the medians of 1, 3, 5 and .2, .4, .6
+    assert row["load_s_vs_one_process"] == pytest.approx(0.4 / 3.0) and row["static_vs_one_process"] == 0.5
 
 
 @pytest.mark.parametrize("argv", [["--nproc", "2", "--distributed", "none"],  # (--nproc 0: argparse, test_fault_suite)

@@ -187,6 +187,11 @@ def _per_rank(row: dict, key: str) -> str:
     return f"{_mib(row[key])} ({' / '.join(_mib(r[key]) for r in ranks)})"
 
 
+def _runs(row: dict) -> str:
+    """Each `--repeat` run's `load_s` (of its slowest rank, under torchrun), in run order."""
+    return ", ".join(f"{max(x['load_s'] for x in run.get('ranks') or [run]):.2f}" for run in row["repeats"])
+
+
 def ranks_markdown(data: dict) -> str:
     """bench.md of a `--nproc N` bench: per method, what each rank holds (static) and peaks at, next to
     the same method in one process, and the ratio."""
@@ -233,11 +238,15 @@ def ranks_markdown(data: dict) -> str:
                      f"{_mib(one['activation_bytes'])} | {_mib(r['activation_bytes'])} |")
     library = [x for r in rows for x in (r.get("one_process") or {}, *r.get("ranks", ())) if "library_s" in x]
     if library and len(load) > 4:  # (a bench.json from before the field has none)
-        load += ["", "The time counts from the end of the imports, transformers' lazily loaded ones included (the "
-                 "model's module and its table of checkpoint conversions, made before the clock: "
+        load += ["", "The time counts from the end of the imports (transformers' lazily loaded ones included: the "
+                 "model's module and its table of checkpoint conversions, made before the clock, "
                  f"{min(x['library_s'] for x in library):.2f}-{max(x['library_s'] for x in library):.2f} s a "
-                 "process), and of the process group's rendezvous: its own column, the wait for the last rank's "
-                 "imports included."]
+                 "process) and of the process group's rendezvous (its own column, the wait for the last rank's "
+                 "imports in it)."]
+    spread = [f"{r['method']}: 1 process {_runs(r['one_process'])} s, per rank (max) {_runs(r)} s" for r in rows
+              if r.get("repeats") and (r.get("one_process") or {}).get("repeats")]
+    if spread and len(load) > 4:
+        load += ["", "Each run's start-up: " + "; ".join(spread) + "."]
     cuda = any(r.get("peak_reserved_bytes") for r in rows)
     notes = ["", f"static: the parameters, gradients and optimizer states a process holds from step to step (of a "
              f"sharded FSDP2 DTensor, its local shard); (est.): `revffn estimate --world-size {n} --distributed "
