@@ -160,7 +160,7 @@ def load_library(args: dict) -> float:
 
 def rendezvous(strategy: str, device: torch.device, timeout_s: int) -> float:
     """Join the process group as training does (`parallel.init_distributed`) and wait there for every rank: the
-    ranks' imports end apart (4.8-7.0 s each on 2 shared CPU cores, up to 2.4 s apart), and the group forms only
+    ranks' imports end apart (4.8-7.0 s each on 2 shared CPU cores, up to 3.4 s apart), and the group forms only
     when the last rank joins. Returns its seconds (the row's `rendezvous_s`; 0 in one process). The start-up's clock
     starts after it, with every rank present, as torchtune's model-load time ("Instantiating model and loading
     checkpoint took") starts after `init_process_group`: what it measures is the load, which sharding divides, not
