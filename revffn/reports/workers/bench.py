@@ -49,7 +49,7 @@ from revffn.methods import method_class
 from revffn.models.loading import build_hf, hf_config
 from revffn.models.sharded import sharded_loadable
 from revffn.reports.bench import train_config
-from revffn.training.parallel import barrier, init_distributed, pick_distributed
+from revffn.training.parallel import init_distributed, max_over_ranks, pick_distributed
 from revffn.training.setup import pick_device
 from revffn.training.step import Run, build_run, train_step
 
@@ -169,7 +169,7 @@ def rendezvous(strategy: str, device: torch.device, timeout_s: int) -> float:
         return 0.0
     t = time.perf_counter()
     init_distributed(strategy, device, timeout_s)
-    barrier()
+    max_over_ranks(0, device)  # returns once every rank has joined: a barrier, on gloo and NCCL alike
     return time.perf_counter() - t
 
 
