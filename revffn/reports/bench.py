@@ -352,16 +352,17 @@ def measure(spec: BenchSpec, method: str, runner: Runner | None = None, env: dic
         for a, done in zip(args, runs, strict=True):
             done.append((runner or run_worker)(a, spec.timeout))
     rows = [_row({**repeated(done, method), "method": method}, a) for a, done in zip(args, runs, strict=True)]
-    row, one = rows[-1], (rows[0] if len(rows) > 1 else None)  # (the label: variants stay apart)
-    if one is not None:
-        if row.get("status") == "ok" and one.get("status") == "ok":
-            for r in [row, *row["ranks"]]:
-                r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
-                r["peak_vs_one_process"] = r["peak_mem_bytes"] / one["peak_mem_bytes"]
-                if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
-                    r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
-                    r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
-        row["one_process"] = one
+    row = rows[-1]  # (the label: variants stay apart)
+    if len(rows) == 1:
+        return row
+    one = row["one_process"] = rows[0]
+    if row.get("status") == "ok" and one.get("status") == "ok":
+        for r in [row, *row["ranks"]]:
+            r["static_vs_one_process"] = r["static_bytes"] / one["static_bytes"]
+            r["peak_vs_one_process"] = r["peak_mem_bytes"] / one["peak_mem_bytes"]
+            if r.get("load_peak_rss_bytes") and one.get("load_peak_rss_bytes"):
+                r["load_rss_vs_one_process"] = r["load_peak_rss_bytes"] / one["load_peak_rss_bytes"]
+                r["load_s_vs_one_process"] = r["load_s"] / one["load_s"]
     return row
 
 
