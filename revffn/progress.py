@@ -1,10 +1,12 @@
-"""Progress with an ETA for the long operations (calibration, heal, convert, upcycle, archs, study, bench, eval).
+"""Progress with an ETA for the long operations (training, calibration, heal, convert, upcycle, archs, study, bench,
+eval).
 
 On a terminal it is a tqdm bar on stderr. On a log (stderr is not a TTY: CI, `nohup`, a captured run) it is one
 line per update, `revffn: calibrate [12/60 passes, 20%]; 1m02s elapsed, ETA 4m08s`, at most one every
 `every` seconds and none at all for work that ends before the first `every` seconds: a short command's output
 stays its result alone. `bar=False` keeps the lines on a terminal too, and with `every=0` each update is a
-line: the per-run results of bench, study and archs.
+line: the per-run results of bench, study and archs. `initial` is where resumed work starts (its ETA counts the
+rate from there).
 
     with progress("calibrate", "pass") as bar:
         for i in range(n):
@@ -34,20 +36,22 @@ def clock(seconds: float) -> str:
 class LineProgress:
     """The log form: one line per update, throttled to one every `every` seconds, plus the last one."""
 
-    def __init__(self, desc: str, unit: str, file: TextIO, every: float, now: Callable[[], float]):
-        self.desc, self.file, self.every, self.now = desc, file, every, now
+    def __init__(self, desc: str, unit: str, file: TextIO, every: float, now: Callable[[], float],
+                 total: int | None = None, initial: int = 0):
+        self.desc, self.file, self.every, self.now, self.total, self.initial = desc, file, every, now, total, initial
         self.units = unit + ("es" if unit.endswith(("s", "ch")) else "s")  # pass -> passes, batch -> batches
         self.start = self.last = now()
         self.printed = False
         self.pending: str | None = None
 
     def __call__(self, done: int, total: int | None = None, note: str = "") -> None:
+        total = self.total = total if total is not None else self.total  # kept until another is given, as tqdm's
         t = self.now()
         elapsed = t - self.start
         count = f"{done}/{total} {self.units}, {100 * done / total:.0f}%" if total else f"{done} {self.units}"
         line = f"revffn: {self.desc} [{count}]" + (f" {note}" if note else "") + f"; {clock(elapsed)} elapsed"
-        if total and 0 < done < total:
-            line += f", ETA {clock(elapsed / done * (total - done))}"
+        if total and self.initial < done < total:
+            line += f", ETA {clock(elapsed / (done - self.initial) * (total - done))}"
         if t - self.last >= self.every or (total is not None and done >= total and self.printed):
             print(line, file=self.file, flush=True)
             self.last, self.printed, self.pending = t, True, None
@@ -63,7 +67,7 @@ class LineProgress:
 @contextlib.contextmanager
 def progress(desc: str, unit: str, total: int | None = None, file: TextIO | None = None, every: float = EVERY_S,
              now: Callable[[], float] = time.monotonic, disable: bool = False,
-             bar: bool = True) -> Iterator[Callable[..., None]]:
+             bar: bool = True, initial: int = 0) -> Iterator[Callable[..., None]]:
     """Yields update(done, total=None, note=''): a tqdm bar when `bar` and `file` (stderr by default) is a
     terminal, else `LineProgress`. `disable` yields a no-op (`--json` output)."""
     file = file if file is not None else sys.stderr
@@ -71,7 +75,7 @@ def progress(desc: str, unit: str, total: int | None = None, file: TextIO | None
         yield lambda done, total=None, note="": None
         return
     if not (bar and getattr(file, "isatty", lambda: False)()):
-        lines = LineProgress(desc, unit, file, every, now)
+        lines = LineProgress(desc, unit, file, every, now, total, initial)
         try:
             yield lines
         finally:
@@ -79,7 +83,7 @@ def progress(desc: str, unit: str, total: int | None = None, file: TextIO | None
         return
     from tqdm.auto import tqdm
 
-    with tqdm(total=total, desc=desc, unit=unit, file=file, dynamic_ncols=True) as tty:
+    with tqdm(total=total, initial=initial, desc=desc, unit=unit, file=file, dynamic_ncols=True) as tty:
         def update(done: int, total: int | None = None, note: str = "") -> None:
             if total is not None and total != tty.total:
                 tty.total = total

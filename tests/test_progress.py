@@ -25,6 +25,15 @@ def test_a_log_gets_throttled_lines_with_an_eta_and_the_last_state():
     assert lines[-1] == "revffn: calibrate [60/60 passes, 100%]; 1m00s elapsed"
 
 
+def test_resumed_work_counts_its_rate_from_where_it_started():
+    out, now = io.StringIO(), Clock()
+    with progress("train", "step", 100, file=out, every=10, now=now, initial=50) as bar:
+        for done in range(51, 61):
+            now.t = (done - 50) * 1.0  # one step a second since the resume
+            bar(done)
+    assert out.getvalue().splitlines()[0] == "revffn: train [60/100 steps, 60%]; 10s elapsed, ETA 40s"
+
+
 def test_short_work_prints_nothing_and_the_throttled_last_state_is_flushed():
     out, now = io.StringIO(), Clock()
     with progress("eval", "batch", file=out, every=10, now=now) as bar:

@@ -90,8 +90,8 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
     n_loss = -(-len(data.items) // batch_size)
-    with progress("eval", "batch") as bar:  # the loss batches, then the generation batches
-        total = n_loss + -(-len(prompts) // batch_size)
+    total = n_loss + -(-len(prompts) // batch_size)
+    with progress("eval", "batch", total) as bar:  # the loss batches, then the generation batches
         loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,
                          progress=lambda done: bar(done, total))
         preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device,
@@ -107,11 +107,12 @@ RETENTION_SET = "builtin:retention_test"
 
 
 def retention_loss(model, tokenizer, data: str = RETENTION_SET, max_seq_length: int = 256,
-                   batch_size: int = 16, limit: int | None = None) -> float:
+                   batch_size: int = 16, limit: int | None = None, label: str = "") -> float:
     """Mean loss per token on held-out pretraining text (the shipped base's held-out set by default).
 
     Measures what fine-tuning keeps of the pretraining distribution: the base's recorded value is in
     `revffn/assets/base/base.json`; a rise after fine-tuning is forgetting. `limit`: first N documents only.
+    `label` names the model in the progress line (`convert` scores the base, then the converted model).
     """
     from revffn.data.collate import tokenize_dataset
     from revffn.data.formats import load_examples
@@ -119,6 +120,6 @@ def retention_loss(model, tokenizer, data: str = RETENTION_SET, max_seq_length: 
     dataset = tokenize_dataset(load_examples(data, "retention data")[:limit], tokenizer, max_seq_length)
     device = next(model.parameters()).device
     total = -(-len(dataset.items) // batch_size)
-    with progress(f"loss on {data}", "batch", total) as bar:
+    with progress(f"{label} loss on {data}" if label else f"loss on {data}", "batch", total) as bar:
         return eval_loss(model, dataset, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,
                          progress=lambda done: bar(done, total))

@@ -163,18 +163,18 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     hf.to(convert_device(spec.device))
     gap: dict = {"data": data}
     if data:
-        gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data)
+        gap["base"] = retention_loss(CausalLM(hf).eval(), tokenizer, data, label="base")
     model = convert(hf, adapter_init="calibrated", stream_dtype=STREAM_DTYPES.get(spec.stream_dtype, torch.float32),
                     adapter_skip=spec.adapter_skip, stream_width=spec.stream_width, coupling=spec.coupling,
                     buffer_bits=spec.buffer_bits, buffer_momentum=spec.buffer_momentum).eval()
     buffered = spec.coupling == "buffered"
     if data:
-        gap["buffered" if buffered else "coordinate"] = retention_loss(model, tokenizer, data)
+        gap["buffered" if buffered else "coordinate"] = retention_loss(model, tokenizer, data, label="converted")
     calibration = None if buffered else calibrate_model(model, tokenizer, spec.calibration_data,
                                                         spec.calibration_tokens, "--calibration-data", spec.seed, log,
                                                         "--calibration-tokens")
     if data and not buffered:
-        gap["calibrated"] = retention_loss(model, tokenizer, data)
+        gap["calibrated"] = retention_loss(model, tokenizer, data, label="calibrated")
     streams = None
     if spec.stream_dtype == AUTO and not buffered:  # the heal and the written model use what the calibrated model needs
         streams = pick_stream_dtype(model)
@@ -182,10 +182,11 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
         spec = replace(spec, stream_dtype=streams["stream_dtype"])
     heal = None
     if spec.heal_steps:
-        measure = (lambda: retention_loss(model, tokenizer, data)) if spec.heal_eval_steps else None
+        measure = (lambda: retention_loss(model, tokenizer, data, label="healing")) if spec.heal_eval_steps else None
         heal = heal_converted(model, spec, log, measure, gap.get("base"))
         if data:  # (measured along the heal: its last point is the healed model's)
-            gap["healed"] = heal["curve"][-1][2] if heal.get("curve") else retention_loss(model, tokenizer, data)
+            gap["healed"] = (heal["curve"][-1][2] if heal.get("curve") else
+                             retention_loss(model, tokenizer, data, label="healed"))
     if data:
         log("loss on " + data + ": " + ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data"))
     manifest = {"format": "revffn", "method": "revffn", **({} if buffered else {"adapter_init": "calibrated"}),

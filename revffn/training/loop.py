@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
 from revffn.errors import DiskFull, UserError
 from revffn.memory.measure import peak_memory_bytes
 from revffn.models.cache import staged_dir, sweep_staged
 from revffn.models.generation import save_generation_config
+from revffn.progress import progress
 from revffn.training.checkpoint import (
     clean_partial,
     disk_guard,
@@ -71,6 +71,7 @@ from revffn.training.parallel import (
 )
 from revffn.training.report import write_run_report
 from revffn.training.setup import (
+    LOCK_FILE,
     RunLock,
     check_output_dir,
     clear_run,
@@ -110,11 +111,12 @@ class _Window:
 
 
 class Recipe:
-    """One run: `setup` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the trackers,
-    and stops the watchdog."""
+    """One run: `build` -> `open` -> `train` -> `export`; `cleanup` closes the metrics file, the bar and the
+    trackers, and stops the watchdog. `build` writes nothing: bad input it finds (a method option the model does not
+    fit, a checkpoint that does not load) leaves the run directory as it was."""
 
     def __init__(self, cfg, plan, fault: Fault | None = None, restarts: int = 0):
-        self.cfg, self.plan = cfg, plan
+        self.cfg, self.plan, self.restarts = cfg, plan, restarts
         # the hook at (point, step), told which attempt this is
         self.fault = None if fault is None else (lambda point, step: fault(point, step, restarts))
         self.step, self.stage = 0, None
@@ -122,20 +124,15 @@ class Recipe:
         self.main = is_main_process()  # rank 0 (or the only process): writes the run's files
         self._open = contextlib.ExitStack()  # the metrics file, the bar, the trackers and the watchdog
         self.failed = False  # how `cleanup` finishes the trackers' runs
+        self.note = ""  # the progress's note: the last metrics line's loss, stage, speed and memory
 
-    def setup(self) -> None:
+    def build(self) -> None:
+        """The model, the method, the optimizer and a resumed checkpoint's state, in memory only."""
         cfg, plan = self.cfg, self.plan
         self.run = build_run(cfg, plan.device, plan.weights_dtype, plan.autocast_dtype,
                              model_config=model_overrides(cfg, plan.tokenizer), strategy=plan.distributed,
                              resuming=plan.resume_from is not None, method_cls=plan.method)
         self.sharded = plan.distributed == "fsdp"  # every rank takes part in checkpoints, evals, export
-        if self.sharded and self.main:  # which loading route FSDP took (`build_run`): its host memory differs
-            world = data_shard()[1]
-            how = ("built on the meta device, each rank read only its shards" if self.run.loading == "sharded" else
-                   f"loaded whole on each rank, then sharded (method {cfg.method} with these options, or this model, "
-                   "has no sharded route: docs/multi_gpu.md)")
-            _event(plan.run_dir, {"event": "load", "loading": self.run.loading, "world_size": world},
-                   f"{cfg.model} on {world} FSDP ranks: {how}")
         self.evaluates = self.main or self.sharded  # runs the evals (under FSDP, with the other ranks)
         # where the next items come from, resumably: an order over the tokenized set, or the stream itself
         self.order = plan.train_set if cfg.streaming else DataOrder(len(plan.train_set.items), cfg.seed)
@@ -143,13 +140,27 @@ class Recipe:
             self._resume(plan.resume_from)
         if self.sharded:  # the method may call the root's modules (embeddings, final norm, head) directly
             unshard_root(self.run.model)
+
+    def open(self) -> None:
+        """Once the run directory is open (`_open_run_dir`): the method's own files (a teacher cache), the
+        trackers, the progress and metrics.jsonl."""
+        cfg, plan = self.cfg, self.plan
+        if self.main and plan.resume_from is not None:
+            _truncate_metrics(plan.run_dir / "metrics.jsonl", self.step)  # (to be logged again)
+        if self.sharded and self.main:  # which loading route FSDP took (`build_run`): its host memory differs
+            world = data_shard()[1]
+            how = ("built on the meta device, each rank read only its shards" if self.run.loading == "sharded" else
+                   f"loaded whole on each rank, then sharded (method {cfg.method} with these options, or this model, "
+                   "has no sharded route: docs/multi_gpu.md)")
+            _event(plan.run_dir, {"event": "load", "loading": self.run.loading, "world_size": world},
+                   f"{cfg.model} on {world} FSDP ranks: {how}")
         self.run.method.before_training(self.run.model, None if cfg.streaming else plan.train_set.items)
         if self.main:  # before the bar: wandb and mlflow print as they start
             self.trackers = Trackers(cfg, plan.run_dir, self.step)
             self._open.callback(lambda: self.trackers.close(self.failed))
-        self.bar = self._open.enter_context(tqdm(total=cfg.max_steps, initial=self.step, desc=f"{cfg.method}",
-                                                 dynamic_ncols=True, disable=None if self.main else True,
-                                                 file=sys.stderr))
+        # rank 0's progress: a bar on a terminal, else a line at most every 10 s (the last logged loss in both)
+        self.bar = self._open.enter_context(progress(f"train {cfg.method}", "step", cfg.max_steps, initial=self.step,
+                                                     disable=not self.main))
         self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a")) if self.main else None
 
     def _resume(self, path: Path) -> None:
@@ -166,8 +177,6 @@ class Recipe:
                             "(torchrun --nproc-per-node), or start afresh.")
         self.order.load_state_dict(order["ranks"][rank] if "ranks" in order else order)
         self.run.method.load_state_dict(state["method_state"])
-        if self.main:
-            _truncate_metrics(self.plan.run_dir / "metrics.jsonl", self.step)
 
     def train(self) -> None:
         """The step loop: one optimizer step, then a metrics line, an eval and a checkpoint on their cadence."""
@@ -188,9 +197,9 @@ class Recipe:
             self.step += 1
             if self.fault is not None:
                 self.fault("step", self.step)
-            self.bar.update(1)
             if self.step % cfg.logging_steps == 0 or self.step == cfg.max_steps or self.stage != prev_stage:
                 self._log(result)
+            self.bar(self.step, note=self.note)
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                 self._save()
             watch.step(self.step, self.logged)
@@ -233,8 +242,8 @@ class Recipe:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.trackers.log(rec)
-        self.bar.set_postfix(loss=f"{train_loss:.3f}", stage=self.stage, tok_s=f"{rec['tokens_per_s']:.0f}",
-                             mem=f"{rec['peak_mem_bytes'] / 2**30:.2f}G")
+        self.note = (f"loss={train_loss:.3f}, stage={self.stage}, tok_s={rec['tokens_per_s']:.0f}, "
+                     f"mem={rec['peak_mem_bytes'] / 2**30:.2f}G")
 
     def _save(self) -> None:
         if bool(self.nonfinite):
@@ -321,17 +330,49 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
     init_distributed(plan.distributed, plan.device, cfg.distributed_timeout)
     plan = verify_resume(cfg, plan)  # under torchrun: the checkpoint's files hashed once a job, by the ranks
     main = is_main_process()
+    before = _what_exists(plan.run_dir) if main else None
     lock = lock_run_dir(cfg, plan, restarts, held) if main else None
     agree_on_lock(True)  # rank 0 got here holding it (or told the others why not, in lock_run_dir)
     try:
+        recipe = Recipe(cfg, plan, fault, restarts)
+        try:
+            recipe.build()
+        except BaseException:  # before the directory is touched: leave it as it was (the lock's file included)
+            recipe.cleanup(failed=True)
+            if lock is not None and lock is not held:
+                lock.release()
+                _remove_created(plan.run_dir, *before)
+            raise
         if main:
             finished = finished_step(plan.run_dir) if plan.resume_from is not None else None  # (before the marker's
             _open_run_dir(cfg, plan, restarts)                                                 # rewrite)
             _log_resume(cfg, plan, restarts, restart_error, finished)
-        return _train(cfg, plan, restarts, fault, main)
+        return _train(recipe, main)
     finally:
         if lock is not None and lock is not held:
             lock.release()
+
+
+def _what_exists(run_dir: Path) -> tuple[Path | None, bool]:
+    """Before the lock: the outermost directory of `run_dir` that does not exist yet (None if it does), and
+    whether its lock file does."""
+    missing = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
+    return missing, (run_dir / LOCK_FILE).exists()
+
+
+def _remove_created(run_dir: Path, missing: Path | None, had_lock: bool) -> None:
+    """What taking the lock created in a run that never opened its directory: the lock's file, and the
+    directories from `run_dir` up to `missing` where they are empty."""
+    if not had_lock:
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK_FILE).unlink()
+    if missing is None:
+        return
+    for d in [run_dir, *run_dir.parents]:
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only an empty one
+        if d == missing:
+            break
 
 
 def lock_run_dir(cfg, plan, restarts: int = 0, held: RunLock | None = None) -> RunLock:
@@ -366,11 +407,11 @@ def agree_on_lock(held: bool, error: str = "") -> None:
         raise UserError(verdict[0])
 
 
-def _train(cfg, plan, restarts: int, fault: Fault | None, main: bool) -> dict:
-    summary: dict = {"status": "running", "restarts": restarts, "main": main}  # main: the process that reports
-    recipe = Recipe(cfg, plan, fault, restarts)
+def _train(recipe: Recipe, main: bool) -> dict:
+    cfg, plan = recipe.cfg, recipe.plan
+    summary: dict = {"status": "running", "restarts": recipe.restarts, "main": main}  # main: the one that reports
     try:
-        recipe.setup()
+        recipe.open()
         summary.update(train_stats=plan.train_set.stats, method=cfg.method, model=cfg.model, device=str(plan.device))
         recipe.train()
         recipe.cleanup()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import io
 import json
 
 import pytest
 
+from revffn.progress import progress
 from revffn.training import loop
 from revffn.training.config import load_config
 
@@ -17,7 +20,7 @@ TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size
 
 @pytest.fixture
 def opened(monkeypatch):
-    """Every metrics file and progress bar the loop opens."""
+    """Every metrics file and progress the loop opens; each progress's updates, and whether it was closed."""
     seen = {"files": [], "bars": []}
 
     def recording_open(path, *args, **kwargs):
@@ -26,18 +29,18 @@ def opened(monkeypatch):
             seen["files"].append(f)
         return f
 
-    class RecordingBar(loop.tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.was_closed = False
-            seen["bars"].append(self)
-
-        def close(self):
-            self.was_closed = True
-            super().close()
+    @contextlib.contextmanager
+    def recording_progress(*args, **kwargs):
+        bar = {"was_closed": False, "updates": [], "lines": io.StringIO()}
+        seen["bars"].append(bar)
+        try:  # each update a line (every=0) on a log, so the test reads what a captured run prints
+            with progress(*args, **{**kwargs, "file": bar["lines"], "every": 0}) as update:
+                yield lambda done, total=None, note="": (bar["updates"].append(done), update(done, total, note))
+        finally:
+            bar["was_closed"] = True
 
     monkeypatch.setattr(loop, "open", recording_open, raising=False)  # shadows the builtin inside loop.py
-    monkeypatch.setattr(loop, "tqdm", RecordingBar)
+    monkeypatch.setattr(loop, "progress", recording_progress)
     return seen
 
 
@@ -51,7 +54,7 @@ def test_closed_and_reported_when_a_step_raises(tmp_path, opened):
     with pytest.raises(RuntimeError, match="injected fault at step 2"):
         loop.train(cfg, fault=_raise_at_step_2)
     assert len(opened["files"]) == 1 and opened["files"][0].closed
-    assert len(opened["bars"]) == 1 and opened["bars"][0].was_closed
+    assert len(opened["bars"]) == 1 and opened["bars"][0]["was_closed"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]  # step 2 raised before its line
     report = (tmp_path / "report.md").read_text()
@@ -63,7 +66,12 @@ def test_closed_after_a_run_that_finishes(tmp_path, opened):
     cfg = load_config(None, [*TINY, f"output_dir={tmp_path}"])
     summary = loop.train(cfg)
     assert summary["status"] == "ok" and summary["steps"] == 4 and summary["stage"] == "joint"
-    assert opened["files"][0].closed and opened["bars"][0].was_closed
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert opened["files"][0].closed and opened["bars"][0]["was_closed"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    bar = opened["bars"][0]
+    assert bar["updates"] == [1, 2, 3, 4]
+    last = bar["lines"].getvalue().splitlines()[-1]  # a log's line names the run, the step and the logged loss
+    assert last.startswith("revffn: train revffn [4/4 steps, 100%] ") and f"loss={rows[-1]['loss']:.3f}" in last
     assert (tmp_path / "final" / "revffn.json").is_file()
     assert "status: **ok**" in (tmp_path / "report.md").read_text()

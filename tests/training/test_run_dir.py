@@ -49,6 +49,21 @@ def test_a_revffn_run_is_marked_and_overwrite_replaces_it(tmp_path, capsys):
     assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", "overwrite=true"]) == 0
 
 
+def test_bad_input_found_while_building_the_model_leaves_the_directory_as_it_was(tmp_path, capsys):
+    """A method option the model does not fit is found only once the model is built: a fresh output_dir is not
+    left behind (the corrected command then starts), and `overwrite=true` does not delete the run it would replace."""
+    bad = ["method=lora", "lora.target_modules=[nonexistent_proj]"]
+    fresh = tmp_path / "new" / "run"
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={fresh}", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "lora.target_modules" in err and "Fix:" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []  # neither run/ nor new/, which the lock had made
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={fresh}"]) == 0
+    before = _tree(fresh)
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={fresh}", "overwrite=true", *bad]) == 2
+    assert _tree(fresh) == before and "already holds a run" not in capsys.readouterr().err
+
+
 def test_resuming_a_finished_run_says_it_trains_the_tail_again(tmp_path, capsys):
     """A finished run's last step has no checkpoint (final/ is its model): `resume=true` trains the steps after its
     newest checkpoint again (the resume tests replay runs so), and says so; the run's marker records each finish."""
