@@ -117,6 +117,8 @@ def cmd_bench(args) -> int:
         return 0
     if not args.out:
         raise UserError("--out DIR is required (where bench.json, bench.md and bench.png go).")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out}: is a file. Fix: a directory for bench.json, bench.md and bench.png.")
     from revffn.methods import METHODS
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
@@ -211,7 +213,10 @@ def cmd_estimate(args) -> int:
         parse_size(args.gpu_mem)
     method = method_class(args.method, key="--method")
     model_kind(args.model, "--model")
-    options = parse_overrides(args.option)
+    try:
+        options = parse_overrides(args.option)
+    except UserError as e:  # (its example is a training key's)
+        raise UserError(f"--option: {e}".replace("e.g. max_steps=100", "e.g. --option optimizer=adamw8bit")) from None
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
     parallel = {"world_size": args.world_size, "distributed": args.distributed}
     est = estimate(config, method, args.batch, args.seq, args.dtype, **parallel, **options)
@@ -303,15 +308,18 @@ def cmd_train(args) -> int:
 
 def cmd_validate(args) -> int:
     from revffn.training.config import load_config
-    from revffn.training.setup import prepare_run
+    from revffn.training.setup import check_on_skeleton, prepare_run
 
     cfg = load_config(args.config, args.overrides)
     plan = prepare_run(cfg)
+    unchecked = check_on_skeleton(cfg, plan)
     s = plan.train_set.stats
     data = ("streamed (its first example reads)" if cfg.streaming else f"{s['n_examples']} examples, "
             f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens")
     print(f"config OK: method={cfg.method} model={cfg.model} device={plan.device}; data: {data}"
-          + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else ""))
+          + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else "")
+          + ("; the method prepared on the model's modules" if unchecked is None else
+             f"; the method could not be prepared without weights ({unchecked}): training checks it"))
     return 0
 
 
@@ -335,6 +343,13 @@ def cmd_generate(args) -> int:
     from revffn.data.templates import chat_prompts
     from revffn.models.generation import generate_texts
 
+    for i, prompt in enumerate([args.prompt] if isinstance(args.prompt, str) else args.prompt):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as surrogates
+            raise UserError(f"--prompt{f' {i + 1}' if i else ''}: not UTF-8 text (a byte at character {e.start}). "
+                            "Fix: give the prompt as UTF-8 text (check the terminal's or the script's encoding).") \
+                from None
     model, tok = _load_for_cli(args.model_dir)
     for text in generate_texts(model, tok, chat_prompts(args.prompt, tok), max_new_tokens=args.max_new_tokens):
         print(text)
@@ -558,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys reach method sections)")
     t.set_defaults(fn=cmd_train)
 
-    v = sub.add_parser("validate", help="check a config and its data without training")
+    v = sub.add_parser("validate", help="check a config, its data, and the method on the model's modules (built "
+                       "without weights) without training")
     v.add_argument("config", nargs="?", default=None)
     v.add_argument("overrides", nargs="*")
     v.set_defaults(fn=cmd_validate)
@@ -638,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"revffn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): as Python's docs advise, no traceback, and
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
     except Exception:
         traceback.print_exc()
         print(f"revffn {args.command}: failed (see the traceback above)", file=sys.stderr)

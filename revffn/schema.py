@@ -68,25 +68,28 @@ def coerce(value, key: Key):
 
 
 def check_value(name: str, value, key: Key) -> str | None:
-    """A problem description for `value`, or None if it is valid."""
+    """A problem description for `value`, with its fix, or None if it is valid."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
-    if isinstance(value, bool) and bool not in types:
-        return f"{name}: expected {_type_names(types)}, got {shown(value)}."
-    if not isinstance(value, types):
-        return f"{name}: expected {_type_names(types)}, got {shown(value)} ({type(value).__name__})."
+    default = f" (the default: {shown(key.default)})" if key.default is not None else ""
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        got = shown(value) if isinstance(value, bool) else f"{shown(value)} ({type(value).__name__})"
+        return f"{name}: expected {_type_names(types)}, got {got}. Fix: {_type_names(types)}{default}."
+    if key.required and value == "":
+        return f"{name}: is empty. Fix: give it a value ({key.help[:SHOWN_CHARS]})."
     if key.choices:
         for item in list_items(value) if key.multiple else [value]:
             if item not in key.choices:
                 return (f"{name}: {shown(item)} is not one of {', '.join(map(str, key.choices))}."
-                        f"{closest(str(item), key.choices)}")
+                        f"{closest(str(item), key.choices)} Fix: one of those{default}.")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
-            return f"{name}: must be a finite number, got {shown(value)}."
-        if key.min is not None and (value < key.min or (key.min_exclusive and value == key.min)):
-            op = ">" if key.min_exclusive else ">="
-            return f"{name}: must be {op} {key.min:g}, got {shown(value)}."
-        if key.max is not None and value > key.max:
-            return f"{name}: must be <= {key.max:g}, got {shown(value)}."
+            return f"{name}: must be a finite number, got {shown(value)}. Fix: a finite number{default}."
+        low = key.min is not None and (value < key.min or (key.min_exclusive and value == key.min))
+        if low or (key.max is not None and value > key.max):
+            span = " and ".join(([f"{'>' if key.min_exclusive else '>='} {key.min:g}"] if key.min is not None else [])
+                                + ([f"<= {key.max:g}"] if key.max is not None else []))
+            bound = f">{'' if key.min_exclusive else '='} {key.min:g}" if low else f"<= {key.max:g}"
+            return f"{name}: must be {bound}, got {shown(value)}. Fix: a value {span}{default}."
     return None
 
 

@@ -71,7 +71,9 @@ def _records(file: Path, name: str) -> Iterator[tuple[str, object]]:
     try:
         text = file.read_text(encoding="utf-8-sig")  # -sig: tolerate a byte-order mark
     except UnicodeDecodeError as e:
-        raise UserError(f"{name}: not UTF-8 text (byte {e.start}). Fix: save the file as UTF-8 JSON/JSONL.") from None
+        line = e.object[: e.start].count(b"\n") + 1
+        raise UserError(f"{name}:{line}: not UTF-8 text (byte {e.start}). Fix: save the file as UTF-8 JSON/JSONL.") \
+            from None
     except OSError as e:
         raise UserError(f"{name}: cannot be read ({e.strerror}). Fix: check the path and its permissions.") from None
     if text.lstrip().startswith("["):

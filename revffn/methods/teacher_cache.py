@@ -63,6 +63,9 @@ def check(path: Path, items: list, model_ref: str) -> dict | None:
     or a build cut short). A cache of other data or another model, or a directory of other files, is a UserError
     naming `revffn.teacher_cache` (`training.setup.prepare_run` checks before the run writes anything)."""
     want = {"format": FORMAT, "data_sha256": data_fingerprint(items), "model": model_ref, "examples": len(items)}
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{KEY}={str(path)!r} is a file, not a directory. Fix: point {KEY} at a new or empty "
+                        "directory (or leave it empty for OUTPUT_DIR/teacher_cache).")
     if (path / "manifest.json").is_file():
         held = json.loads((path / "manifest.json").read_text())
         for field in ("format", "model", "data_sha256"):

@@ -305,6 +305,50 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
         report.setLevel(level)
 
 
+POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
+                 "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts",
+                 "num_experts_per_tok")
+
+
+def check_model_config(model: str, overrides: dict, key: str = "model_config") -> None:
+    """`model_config` before any model is built (it reads configs only): every key a setting of the model's config
+    class, each value of the type the model's own is (an integer for an integer, a number for a float, a boolean for
+    a boolean), a geometry at least 1 (`POSITIVE_KEYS`), and transformers' own checks of the config built with them.
+
+    Raises:
+        UserError: naming `key.NAME` (a misspelled key would otherwise be stored unread and the model built without it).
+    """
+    if not overrides:
+        return
+    base = hf_config(model)
+    known = set(base.to_dict())
+    for name, value in overrides.items():
+        if name not in known and not hasattr(base, name):
+            raise UserError(f"{key}.{name}: {type(base).__name__} ({model}) has no setting {name!r}."
+                            f"{closest(name, known)} Fix: a key of the model's config.json, e.g. num_hidden_layers.")
+        held = getattr(base, name, None)
+        wrong = (not isinstance(value, bool) if isinstance(held, bool) else
+                 isinstance(value, bool) or not isinstance(value, int) if isinstance(held, int) else
+                 isinstance(value, bool) or not isinstance(value, int | float) if isinstance(held, float) else False)
+        if wrong:
+            kind = "a boolean" if isinstance(held, bool) else "an integer" if isinstance(held, int) else "a number"
+            fix = "true or false" if isinstance(held, bool) else f"{held!r} or another {kind.split()[-1]}"
+            raise UserError(f"{key}.{name}: expected {kind} (the model's is {held!r}), got {value!r}. Fix: "
+                            f"{key}.{name}={fix}.")
+        if name in POSITIVE_KEYS and value < 1:
+            raise UserError(f"{key}.{name}: must be at least 1, got {value!r}. Fix: a positive {name}.")
+    try:
+        if model_kind(model) in ("dir", "shipped", "hub"):
+            stored_depth_config(resolve_model_ref(model, weights=False), **overrides)
+        else:
+            hf_config(model, **overrides)
+    except UserError:
+        raise
+    except Exception as e:  # transformers' validation of the config (a strict dataclass since 5.x)
+        raise UserError(f"{key}: {type(base).__name__} refuses {overrides}: {one_line(e)[:300]}. Fix: values that "
+                        "fit together (e.g. num_attention_heads dividing hidden_size).") from None
+
+
 def stored_depth_config(path: str | Path, **overrides):
     """The HF config of a model directory with `overrides`; a `num_hidden_layers` override also cuts the per-layer
     `layer_types` to the new depth (transformers validates their lengths when the config is built again, as a

@@ -50,6 +50,7 @@ from revffn.conversion.convert import local_rows, write_full
 from revffn.models.loading import (
     converted_skeleton,
     freeze_imports,
+    hf_config,
     is_converted,
     model_kind,
     resolve_model_ref,
@@ -93,8 +94,10 @@ def _meta_model(config, dtype: torch.dtype) -> nn.Module:
 
 def meta_hf(model: str, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
     """`model`'s HF causal LM as `load_hf` builds it, but with no weights: parameters on the meta device (for a
-    converted directory, the `RevFFNForCausalLM` it holds)."""
+    converted directory, the `RevFFNForCausalLM` it holds; a tiny preset or a config-only geometry from its config)."""
     freeze_imports()
+    if model_kind(model) in ("tiny", "config"):
+        return _meta_model(hf_config(model, **overrides), dtype)
     path = Path(resolve_model_ref(model))
     if is_converted(str(path)):
         return converted_skeleton(path, _meta_model(stored_config(path), dtype))

@@ -101,7 +101,10 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     out = BenchSpec(**{**asdict(spec), "device": device, "dtype": dtype,
                        "distributed": _strategy(spec.nproc, spec.distributed, device)})
     for m in out.methods:  # every method's config validates before anything runs
-        cfg = train_config(worker_args(out, m))
+        try:
+            cfg = train_config(worker_args(out, m))
+        except UserError as e:  # a key of --set or of the method's own NAME:KEY=VALUE options
+            raise UserError(f"--methods {m} / --set: {str(e).replace('override: ', '')}") from None
         if out.distributed != "none":
             try:
                 check_strategy(cfg, out.distributed)

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from revffn.errors import DiskFull, UserError, disk_fault, one_line
+from revffn.schema import shown
 from revffn.training.manifest import verify_checkpoint, write_manifest
 from revffn.training.parallel import barrier, is_main_process
 
@@ -237,6 +238,9 @@ def read_trainer_state(path: Path) -> dict:
     if not isinstance(state, dict) or "step" not in state:
         raise UserError(f"resume: {str(f)!r} holds no step: not a revffn checkpoint. Fix: point resume at a "
                         "checkpoints/step-N directory, or use resume=true for the latest one.")
+    if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
+        raise UserError(f"resume: {str(f)!r} holds step {shown(state['step'])}, not a step count: the checkpoint is "
+                        "damaged. Fix: resume from an earlier checkpoints/step-N, or start a new run.")
     return state
 
 

@@ -194,7 +194,8 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
         raise UserError(f"config file {str(path)!r} not found. Fix: check the path, or run `revffn train` "
                         "with no file for the built-in quickstart.") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start}). Fix: give a YAML file "
+        line = e.object[: e.start].count(b"\n") + 1
+        raise UserError(f"config file {str(path)!r}:{line} is not UTF-8 text (byte {e.start}). Fix: give a YAML file "
                         "saved as UTF-8.") from None
     except IsADirectoryError:
         raise UserError(f"config file {str(path)!r} is a directory. Fix: give the path of a YAML file.") from None
@@ -239,10 +240,34 @@ def _expanded(node, memo: dict, open_: set) -> int:
     return n
 
 
+def _no_repeated_keys(node, where: str, lines: bool, seen_nodes: set | None = None) -> None:
+    """A key written twice in one mapping: YAML keeps the last one silently (PyYAML does), so a setting the file
+    shows would not be the one run."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if node is None or id(node) in seen_nodes:  # (an alias: checked where it was anchored)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if k.value in first:
+                    at = f":{k.start_mark.line + 1}" if lines else ""
+                    also = f" (first at line {first[k.value]})" if lines else ""
+                    raise UserError(f"{where}{at}: key {k.value[:SHOWN_CHARS]!r} is given twice{also}; YAML would keep "
+                                    "the last silently. Fix: keep one of them.")
+                first[k.value] = k.start_mark.line + 1
+            _no_repeated_keys(v, where, lines, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for child in node.value:
+            _no_repeated_keys(child, where, lines, seen_nodes)
+
+
 def bounded_yaml(text: str, where: str):
     """`yaml.safe_load(text)`, refusing a document whose aliases expand past MAX_YAML_VALUES values (an alias
     bomb: a few lines that expand to billions of values once anything walks them)."""
     root = yaml.compose(text)
+    _no_repeated_keys(root, where, "\n" in text.strip())
     if root is not None and _expanded(root, {}, set()) > MAX_YAML_VALUES:
         at = ""
         if isinstance(root, yaml.MappingNode):  # name the key that holds it
@@ -316,7 +341,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     def where(k: str) -> str:
         if k in overridden:
             return "override: "
-        return f"{src}:{lines[k]}: " if k in lines else f"{src}: "
+        return f"{src}:{lines[str(k)]}: " if str(k) in lines else f"{src}: "  # (a YAML key may be a number)
 
     problems: list[str] = []
     values, sections = {}, {}
@@ -332,8 +357,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             for sk, sv in v.items():
                 full = f"{k}.{sk}"
                 if sk not in section_schemas[k]:
-                    problems.append(f"{where(full)}unknown key {shown(full)}.{closest(sk, section_schemas[k])} "
-                                    f"Known {k} keys: {', '.join(section_schemas[k])}.")
+                    problems.append(f"{where(full)}unknown key {shown(full)}.{closest(str(sk), section_schemas[k])} "
+                                    f"Fix: one of the {k} keys: {', '.join(section_schemas[k])}.")
                     continue
                 sv = coerce(sv, section_schemas[k][sk])
                 msg = check_value(full, sv, section_schemas[k][sk])
@@ -343,11 +368,13 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             sections[k] = {sk: key.default for sk, key in section_schemas[k].items()} | sec
         else:
             known = list(SCHEMA) + list(section_schemas)
-            problems.append(f"{where(k)}unknown key {shown(k)}.{closest(str(k), known)} See README 'Config keys'.")
+            problems.append(f"{where(k)}unknown key {shown(k)}.{closest(str(k), known)} Fix: remove it, or use a key "
+                            "the README's 'Config keys' lists.")
     for k, key in SCHEMA.items():
         if k not in data:
             if key.required:
-                problems.append(f"{src}: missing required key {k!r} ({key.help}).")
+                problems.append(f"{src}: missing required key {k!r} ({key.help}). Fix: add `{k}: ...` to the file, "
+                                f"or {k}=... on the command line.")
             values[k] = key.default
             continue
         v = coerce(data[k], key)

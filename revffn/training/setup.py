@@ -25,7 +25,7 @@ import yaml
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
-from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
+from revffn.models.loading import check_model_config, check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config
@@ -122,6 +122,9 @@ def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype,
                             "was touched. Fix: restore the checkpoint from a backup, or set resume=false with "
                             "overwrite=true to start the run over.")
     else:
+        if not cfg.resume.strip():
+            raise UserError("resume: is empty. Fix: resume=true (the latest checkpoint in output_dir), false, or a "
+                            "checkpoints/step-N directory.")
         ckpt, rejected = Path(cfg.resume), []
         if not ckpt.is_dir():
             raise UserError(f"resume: checkpoint {cfg.resume!r} not found. Fix: give a checkpoints/step-N "
@@ -296,6 +299,9 @@ def check_converted(cfg, method) -> None:
         ok = ", ".join(n for n, m in METHODS.items() if m.ACCEPTS_CONVERTED)
         raise UserError(f"model: {cfg.model!r} holds a model already converted to RevFFN; method {cfg.method!r} "
                         f"trains unconverted HF models. Fix: method={ok}, or point model at the unconverted base.")
+    if is_converted(cfg.model) and cfg.model_config:
+        raise UserError(f"model_config: {cfg.model!r} holds a converted RevFFN model; its geometry is fixed. Fix: "
+                        "remove model_config, or convert the base model again with the overrides.")
 
 
 def prepare_run(cfg) -> RunPlan:
@@ -315,6 +321,8 @@ def prepare_run(cfg) -> RunPlan:
     check_trackers(cfg)
     check_optimizer(cfg, device, weights, method)
     model_dir = None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model, weights=False)
+    if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`)
+        check_model_config(cfg.model, cfg.model_config)
     tokenizer = model_tokenizer(model_dir or cfg.model, cfg.tokenizer)
     if cfg.streaming:
         train_set = open_stream(cfg, tokenizer)
@@ -337,6 +345,22 @@ def prepare_run(cfg) -> RunPlan:
                    rejected, method, model_dir)
 
 
+def check_on_skeleton(cfg, plan: RunPlan) -> str | None:
+    """`revffn validate`: the method prepared on the model built on the meta device (no weights, no memory), so the
+    checks that need the model's modules (a target that matches nothing, an option its experts refuse) run before
+    any weight is read. Raises their UserError; returns why the check could not run, if it could not."""
+    from revffn.models.sharded import meta_hf
+
+    try:
+        hf = meta_hf(cfg.model, plan.weights_dtype, **model_overrides(cfg, plan.tokenizer))
+        plan.method(cfg).prepare(hf)
+    except UserError:
+        raise
+    except Exception as e:  # a method or a model that does not prepare without weights: train will tell
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
 def open_stream(cfg, tokenizer):
     """`streaming: true`: the run's `TokenStream`, its first item read here (on one process's view of the whole
     source) so that a source that cannot load, or whose first rows fit no format, fails before any model is built."""
@@ -348,6 +372,8 @@ def open_stream(cfg, tokenizer):
 
 def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:
     check_output_dir(cfg, run_dir, resume_from)
+    if resume_from is not None:
+        read_trainer_state(resume_from)  # a damaged one raises here, before the run's directory is locked
     if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
         raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
                         "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")

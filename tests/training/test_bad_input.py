@@ -1,5 +1,6 @@
 """Bad input: one clear message naming FILE:LINE or the key, exit code 2, nothing written."""
 
+import hashlib
 import json
 import shutil
 import sys
@@ -244,3 +245,75 @@ def test_resume_path_of_a_damaged_checkpoint(capsys, trained_run, tmp_path, dama
 def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
     _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "no checkpoint in", "verifies (step-1: optimizer.pt: "
                   "sha256 mismatch", "Fix: restore", damage=lambda c: flip_byte(c / "step-1" / "optimizer.pt", 100))
+
+
+@pytest.mark.parametrize("over,needle", [
+    ("model_config.num_hiden_layers=1", "model_config.num_hiden_layers: Qwen2MoeConfig (tiny-qwen2-moe) has no setting "
+                                        "'num_hiden_layers'. Did you mean 'num_hidden_layers'? Fix:"),
+    ("model_config.hidden_size=abc", "model_config.hidden_size: expected an integer (the model's is 64), got 'abc'. "
+                                     "Fix: model_config.hidden_size=64 or another integer."),
+    ("model_config.num_hidden_layers=-1", "model_config.num_hidden_layers: must be at least 1, got -1. Fix:"),
+    ("model_config.tie_word_embeddings=3", "model_config.tie_word_embeddings: expected a boolean"),
+], ids=["misspelled", "type", "range", "bool"])
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, over, needle, command):
+    """A misspelled key used to be stored unread (the model built without it), a wrong type to end in a traceback."""
+    p = _cfg(tmp_path, model_config={"num_hidden_layers": 1, "hidden_size": 64})
+    _fails(capsys, [command, str(p), over], needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path, capsys):
+    p = _cfg(tmp_path)
+    p.write_text(p.read_text() + "max_steps: 5\n")  # YAML keeps the last silently
+    line = len(p.read_text().splitlines())
+    _fails(capsys, ["validate", str(p)], f"cfg.yaml:{line}: key 'max_steps' is given twice (first at line", "Fix:")
+    _fails(capsys, ["validate", str(_cfg(tmp_path)), "model_config={hidden_size: 64, hidden_size: 32}"],
+           "override model_config: key 'hidden_size' is given twice")
+
+
+@pytest.mark.parametrize("over,needle", [
+    ("output_dir=", "output_dir: is empty. Fix:"),
+    ("resume=", "resume: is empty. Fix: resume=true"),
+    ("max_steps=ten", "max_steps: expected an integer, got 'ten' (str). Fix: an integer"),
+    ("revffn.buffer_bits=9", "revffn.buffer_bits: must be <= 8, got 9. Fix: a value >= 1 and <= 8 (the default: 6)."),
+])
+def test_empty_and_out_of_range_values_say_the_fix(tmp_path, capsys, monkeypatch, over, needle):
+    monkeypatch.chdir(tmp_path)  # an empty output_dir used to run into the current directory
+    _fails(capsys, ["train", str(_cfg(tmp_path)), over], needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "train.jsonl"]
+
+
+def test_teacher_cache_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    p = _cfg(tmp_path, revffn={"adapter_warmup_steps": 1, "coupling": "additive", "distill_coef": 0.5,
+                               "distill_teacher": "cached", "teacher_cache": str(tmp_path / "notes.txt")})
+    _fails(capsys, ["train", str(p)], "revffn.teacher_cache=", "is a file, not a directory. Fix:")
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["method=lora", "lora.target_modules=[nonexistent_proj]"], "lora.target_modules: 'nonexistent_proj' matches no"),
+    (["method=lora", "lora.lora_dropout=0.1"], "lora.lora_dropout=0.1 cannot apply to the parameter targets"),
+    (["method=refta", "refta.target_modules=[gate]"], "refta.target_modules: ['gate'] match no nn.Linear module"),
+], ids=["lora-target", "lora-dropout-experts", "refta-target"])
+def test_validate_prepares_the_method_on_the_models_modules(tmp_path, capsys, over, needle):
+    """Found by preparing the method on the model built on the meta device: validate no longer says "config OK"
+    for what train then refuses."""
+    _fails(capsys, ["validate", str(_cfg(tmp_path)), *over], needle, "Fix:")
+    assert cli.main(["validate", str(_cfg(tmp_path)), over[0]]) == 0
+    assert "the method prepared on the model's modules" in capsys.readouterr().out
+
+
+def test_resume_of_a_checkpoint_whose_step_is_not_a_count(capsys, trained_run, tmp_path):
+    """A trainer state that its manifest vouches for (rehashed) but whose step is not a count: exit 2, not a
+    TypeError, and the run's files (its marker included) as they were."""
+    def damage(ckpts):
+        step = ckpts / "step-1"
+        (step / "trainer_state.json").write_text(json.dumps({"step": "x"}))
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"]["trainer_state.json"] = hashlib.sha256((step / "trainer_state.json").read_bytes()).hexdigest()
+        (step / "manifest.json").write_text(json.dumps(manifest))
+
+    _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "holds step 'x', not a step count", "Fix:",
+                  damage=damage)
