@@ -74,6 +74,12 @@ TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
 RECOMPUTE_CHUNK_TOKENS = 1024
 
 
+def _sequences(n: int) -> str:
+    """'1 sequence', '4 sequences' (at least one)."""
+    n = max(1, n)
+    return f"{n} sequence{'s' if n > 1 else ''}"
+
+
 class RevFFNMethod(Method):
     name = "revffn"
     SCHEMA = {
@@ -574,7 +580,7 @@ class RevFFNMethod(Method):
                  f"{records} bytes) kept; one layer's working set (full width, + adapters) in backward"
                  + (f", its MoE branch's by chunks of {recompute_chunk_tokens} tokens"
                     if 0 < recompute_chunk_tokens < N else "")
-                 + (f", its attention's by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences"
+                 + (f", its attention's by chunks of {_sequences(recompute_chunk_tokens // ctx.T)}"
                     if f_chunk < 1 else ""),
                  f"revffn: {adapters} adapter params{' (P_down folded into the layers)' if folded else ''}; {state}",
                  f"revffn calibration (adapter_init calibrated, before training): {accumulators / 2**20:.1f} MiB of "
@@ -618,7 +624,7 @@ class RevFFNMethod(Method):
         layer = max(ctx.layers[i] + aux * m.moe[i] for i in range(m.layers))
         c = 8 if ctx.s == 8 else 4  # bytes a coordinate of the compute dtype (`reversible.buffered.compute_dtype`)
         working = int((layer + 4 * N * m.d * c) * chunk) + 2 * N * m.d * c + N * m.d
-        chunks = f", by chunks of {max(1, recompute_chunk_tokens // ctx.T)} sequences" if chunk < 1 else ""
+        chunks = f", by chunks of {_sequences(recompute_chunk_tokens // ctx.T)}" if chunk < 1 else ""
         notes = (f"revffn coupling buffered: two int64 d streams + {buffer_bits} bits a coordinate a layer "
                  f"({buffer / 2**20:.1f} MiB: grows with depth) kept; one layer's working set in backward{chunks}",
                  f"revffn: no adapters; {'router frozen' if freeze_router else 'router trainable'}; no calibration")

@@ -192,9 +192,9 @@ def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: s
 
 def format_report(r: dict) -> str:
     lines = [f"revffn check: {r['model']} ({r['model_type']}), {r['layers']} layers, {r['dtype']}, "
-             f"batch {r['batch']} x seq {r['seq']}, adapter_init={r['adapter_init']}, on {r.get('device', 'cpu')}, "
-             + (f"{r['stream_dtype']} streams" if r.get("coupling", "additive") == "additive" else
-                "the buffered coupling (int64 fixed-point streams)")]
+             f"batch {r['batch']} x seq {r['seq']}, on {r.get('device', 'cpu')}, "
+             + (f"adapter_init={r['adapter_init']}, {r['stream_dtype']} streams" if r.get("coupling", "additive")
+                == "additive" else "the buffered coupling (int64 fixed-point streams)")]
     if "streams" in r:
         lines.append("  " + describe_streams(r["streams"]))
     keys = ["loss_unconverted", "loss_converted", "conversion_gap", "max_reconstruction_error",

@@ -160,17 +160,24 @@ def check_bf16(dev: torch.device) -> dict:
 
 
 def check_reversible(dev: torch.device) -> dict:
-    """The engine on this machine: `revffn check` on a tiny model, reversible gradients vs the plain twin."""
-    fix = ("the reversible backward is not exact here: rerun `revffn check --layers 2 --device cpu --json` and report "
-           "both outputs; method=full or ckpt trains without it")
+    """The engine on this machine: `revffn check` on a tiny model, reversible gradients vs the plain twin, for the
+    default coupling (buffered: its rebuild must be bitwise, or training raises) and the additive one."""
+    fix = ("the reversible backward is not exact here: rerun `revffn check --layers 2 --device cpu --json` (and with "
+           "--coupling additive) and report both outputs; method=full or ckpt trains without it")
+    runs = {}
     try:
-        r = run_check("tiny-qwen2-moe", layers=2, dtype="float32", batch=2, seq=16, device=dev.type)
+        for coupling in ("buffered", "additive"):
+            runs[coupling] = run_check("tiny-qwen2-moe", layers=2, dtype="float32", batch=2, seq=16,
+                                       device=dev.type, coupling=coupling)
     except Exception as e:  # a broken install fails here rather than in the middle of a run
-        return _check("reversible", False, f"revffn check failed: {type(e).__name__}: {e}", fix)
-    measured = {k: r[k] for k in ("max_rel_grad_error", "max_reconstruction_error")}
-    return _check("reversible", r["passed"], f"gradient error {r['max_rel_grad_error']:.1e} (tolerance "
-                  f"{TOL['max_rel_grad_error']:g}), reconstruction error {r['max_reconstruction_error']:.1e} "
-                  f"(tolerance {TOL['max_reconstruction_error']:g}) vs the plain twin", fix, **measured)
+        return _check("reversible", False, f"revffn check ({coupling}) failed: {type(e).__name__}: {e}", fix)
+    measured = {c: {k: r[k] for k in ("max_rel_grad_error", "max_reconstruction_error")} for c, r in runs.items()}
+    worst = {k: max(m[k] for m in measured.values()) for k in ("max_rel_grad_error", "max_reconstruction_error")}
+    ok = all(r["passed"] for r in runs.values()) and measured["buffered"]["max_reconstruction_error"] == 0
+    detail = "; ".join(f"{c}: gradient error {m['max_rel_grad_error']:.1e}, reconstruction error "
+                       f"{m['max_reconstruction_error']:.1e}" for c, m in measured.items())
+    return _check("reversible", ok, f"{detail} vs the plain twin (tolerances {TOL['max_rel_grad_error']:g}, "
+                  f"{TOL['max_reconstruction_error']:g}; buffered: bitwise)", fix, **worst, **measured)
 
 
 def check_output_dir(output_dir: str) -> dict:

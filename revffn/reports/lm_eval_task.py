@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.loading import load
 
-    p = argparse.ArgumentParser(prog="python -m revffn.reports.lm_eval_task", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m revffn.reports.lm_eval_task",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     p.add_argument("model_dir", help="a run's final/ (or any model directory revffn loads)")
     p.add_argument("--data", required=True, help="examples to score (a file or builtin:NAME)")
     p.add_argument("--out", required=True, help="directory for NAME.yaml and NAME.jsonl (lm-eval's --include_path)")

@@ -33,6 +33,8 @@ def test_healthy_machine_exits_0_with_every_check(capsys, tmp_path):
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["memory"]["probe_bytes"] == 64 * 2**20 and checks["memory"]["free_bytes"] > 0
     assert checks["reversible"]["max_rel_grad_error"] <= 1e-5
+    assert checks["reversible"]["buffered"]["max_reconstruction_error"] == 0  # the default coupling: bitwise
+    assert 0 < checks["reversible"]["additive"]["max_reconstruction_error"] <= 1e-5  # float streams: rounding
     assert checks["output_dir"]["checked_at"] == str(tmp_path) and checks["output_dir"]["free_bytes"] > 0
     assert not list(tmp_path.iterdir())  # the write probe cleaned up, and runs/ was not created
 
