@@ -38,6 +38,14 @@ def _positive(s: str) -> int:
     return v
 
 
+def _sequence_length(s: str) -> int:
+    """A max_seq_length: at least 2 tokens (one to predict from, one to predict)."""
+    v = int(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 tokens, got {s} (e.g. 512)")
+    return v
+
+
 def _nonnegative(s: str) -> int:
     v = int(s)
     if v < 0:
@@ -598,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "does); contains: it contains the reference, case-insensitive (default: %(default)s)")
     e.add_argument("--batch-size", type=_positive, default=16)
     e.add_argument("--max-new-tokens", type=_positive, default=48)
-    e.add_argument("--max-seq-length", type=_positive, default=512)
+    e.add_argument("--max-seq-length", type=_sequence_length, default=512)
     e.set_defaults(fn=cmd_eval)
     return p
 
