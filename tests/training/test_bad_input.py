@@ -317,3 +317,14 @@ def test_resume_of_a_checkpoint_whose_step_is_not_a_count(capsys, trained_run, t
 
     _resume_fails(capsys, trained_run, tmp_path, ["resume=true"], "holds step 'x', not a step count", "Fix:",
                   damage=damage)
+
+
+def test_model_config_takes_what_transformers_takes(tmp_path, capsys):
+    """Not refused: a float YAML 1.1 reads as a string (`1e-5`: no dot), made a float as config keys' values are, and
+    transformers 5's older keyword `rope_theta` (taken into rope_parameters)."""
+    p = _cfg(tmp_path, method="full", save_steps=0, max_steps=1,
+             model_config={"num_hidden_layers": 1, "hidden_size": 64})
+    assert cli.main(["validate", str(p), "model_config.rope_theta=20000.0"]) == 0
+    assert cli.main(["train", str(p), "model_config.rms_norm_eps=1e-5"]) == 0
+    config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert config["rms_norm_eps"] == 1e-5 and config["num_hidden_layers"] == 1
