@@ -11,6 +11,7 @@ import copy
 import functools
 import math
 import operator
+import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass, replace
@@ -52,9 +53,15 @@ def list_items(value: str) -> list[str]:
     return list(dict.fromkeys(item.strip() for item in value.split(",")))
 
 
+_E_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 reads as a string: 1e-5
+
+
 def coerce(value, key: Key):
-    """Accept what YAML users write: ints for floats, '1e-4' strings for floats, a list for a `multiple` key."""
+    """Accept what YAML users write: ints for floats, '1e-4' strings for floats (in a mapping's values too, e.g.
+    model_config's), a list for a `multiple` key."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if dict in types and isinstance(value, dict):
+        return {k: float(v) if isinstance(v, str) and _E_FLOAT.fullmatch(v.strip()) else v for k, v in value.items()}
     if key.multiple and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)
     if float in types and isinstance(value, str):

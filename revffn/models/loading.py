@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -311,15 +310,6 @@ POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_i
                  "num_experts_per_tok")
 
 
-_E_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def yaml_floats(overrides: dict) -> dict:
-    """`model_config` with the floats YAML 1.1 reads as strings (`1e-5`: no dot) made floats, as the config keys'
-    own values are (`schema.coerce`)."""
-    return {k: float(v) if isinstance(v, str) and _E_FLOAT.fullmatch(v.strip()) else v for k, v in overrides.items()}
-
-
 def check_model_config(model: str, overrides: dict, key: str = "model_config") -> None:
     """`model_config` before any model is built (it reads configs only): every key a setting of the model's config
     class, each value of the type the model's own is (an integer for an integer, a number for a float, a boolean for
@@ -330,7 +320,6 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
     """
     if not overrides:
         return
-    overrides = yaml_floats(overrides)
     base = hf_config(model)
     known = set(base.to_dict())
     if hasattr(base, "rope_parameters"):  # transformers 5 still takes the older keywords into rope_parameters

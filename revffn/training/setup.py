@@ -25,7 +25,7 @@ import yaml
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
-from revffn.models.loading import check_model_config, check_model_ref, is_converted, resolve_model_ref, yaml_floats
+from revffn.models.loading import check_model_config, check_model_ref, is_converted, resolve_model_ref
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config
@@ -392,7 +392,7 @@ def verify_resume(cfg, plan: RunPlan) -> RunPlan:
 def model_overrides(cfg, tokenizer) -> dict:
     """`model_config` overrides; presets are built with the tokenizer's vocabulary."""
     extra = {"vocab_size": len(tokenizer)} if cfg.model in TINY_PRESETS else {}
-    return {**extra, **yaml_floats(cfg.model_config)}
+    return {**extra, **cfg.model_config}
 
 
 def saved_config_text(cfg) -> str:
