@@ -351,7 +351,7 @@ def cmd_generate(args) -> int:
     from revffn.data.templates import chat_prompts
     from revffn.models.generation import generate_texts
 
-    for i, prompt in enumerate([args.prompt] if isinstance(args.prompt, str) else args.prompt):
+    for i, prompt in enumerate(args.prompt):  # (--prompt appends: always a list)
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8 arrive as surrogates

@@ -264,8 +264,9 @@ def _no_repeated_keys(node, where: str, lines: bool, seen_nodes: set | None = No
 
 
 def bounded_yaml(text: str, where: str):
-    """`yaml.safe_load(text)`, refusing a document whose aliases expand past MAX_YAML_VALUES values (an alias
-    bomb: a few lines that expand to billions of values once anything walks them)."""
+    """`yaml.safe_load(text)`, refusing a key given twice in one mapping (`_no_repeated_keys`) and a document whose
+    aliases expand past MAX_YAML_VALUES values (an alias bomb: a few lines that expand to billions of values once
+    anything walks them)."""
     root = yaml.compose(text)
     _no_repeated_keys(root, where, "\n" in text.strip())
     if root is not None and _expanded(root, {}, set()) > MAX_YAML_VALUES:
