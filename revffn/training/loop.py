@@ -76,6 +76,7 @@ from revffn.training.setup import (
     check_output_dir,
     clear_run,
     finished_step,
+    is_revffn_run,
     mark_finished,
     mark_run,
     model_overrides,
@@ -88,7 +89,7 @@ from revffn.training.setup import (
 )
 from revffn.training.step import StepResult, build_run, restructure, train_step
 from revffn.training.trackers import Trackers
-from revffn.training.watch import RunWatch, append_event, run_in_child
+from revffn.training.watch import RunWatch, append_event, read_jsonl_line, run_in_child
 
 Fault = Callable[[str, int, int], None]
 """Test hook `fault(point, step, restart)`: called after each optimizer step ("step"), in the middle of each
@@ -346,6 +347,9 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
         if main:
             finished = finished_step(plan.run_dir) if plan.resume_from is not None else None  # (before the marker's
             _open_run_dir(cfg, plan, restarts)                                                 # rewrite)
+            if lock.taken_over and not restarts:  # a restart follows its own killed attempt: logged as the restart
+                _event(plan.run_dir, {"event": "lock_taken_over", "holder": lock.taken_over[:200]}, "took over the "
+                       f"run lock from a process that ended without releasing it ({lock.taken_over[:200]})")
             _log_resume(cfg, plan, restarts, restart_error, finished)
         return _train(recipe, main)
     finally:
@@ -355,15 +359,16 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
 
 def _what_exists(run_dir: Path) -> tuple[Path | None, bool]:
     """Before the lock: the outermost directory of `run_dir` that does not exist yet (None if it does), and
-    whether its lock file does."""
+    whether the lock file is a run's own (outside a run it is what a start killed before it opened the run left).
+    """
     missing = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
-    return missing, (run_dir / LOCK_FILE).exists()
+    return missing, (run_dir / LOCK_FILE).exists() and is_revffn_run(run_dir)
 
 
-def _remove_created(run_dir: Path, missing: Path | None, had_lock: bool) -> None:
-    """What taking the lock created in a run that never opened its directory: the lock's file, and the
-    directories from `run_dir` up to `missing` where they are empty."""
-    if not had_lock:
+def _remove_created(run_dir: Path, missing: Path | None, run_lock: bool) -> None:
+    """What taking the lock created in a run that never opened its directory: the lock's file (unless a run's
+    own), and the directories from `run_dir` up to `missing` where they are empty."""
+    if not run_lock:
         with contextlib.suppress(OSError):
             (run_dir / LOCK_FILE).unlink()
     if missing is None:
@@ -383,9 +388,6 @@ def lock_run_dir(cfg, plan, restarts: int = 0, held: RunLock | None = None) -> R
     lock = held
     try:
         lock = lock or RunLock(plan.run_dir).acquire()
-        if lock.taken_over and not restarts:  # a restart follows its own killed attempt: logged as the restart
-            _event(plan.run_dir, {"event": "lock_taken_over", "holder": lock.taken_over[:200]},
-                   f"took over the run lock from a process that ended without releasing it ({lock.taken_over[:200]})")
         for line in sweep_staged(plan.run_dir / "final"):  # a final/ swap a killed run left half done
             _event(plan.run_dir, {"event": "final_swap_repaired", "what": line}, line)
         check_output_dir(cfg, plan.run_dir, plan.resume_from)
@@ -501,8 +503,9 @@ def _truncate_metrics(path, step: int) -> None:
     """On resume, drop metrics logged after the checkpoint (they will be produced again)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [line for line in path.read_text(errors="replace").splitlines()
+            if (record := read_jsonl_line(line)) is not None and record.get("step", 0) <= step]  # (a killed write's
+    path.write_text("".join(line + "\n" for line in keep))                                   # line: dropped)
 
 
 def run(cfg, fault: Fault | None = None) -> dict:
@@ -530,6 +533,7 @@ def _run(cfg, fault: Fault | None) -> dict:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts
     error = "torchrun restarted the job" if restarts else None
     held = None  # under max_restarts, from the first restart on: the run lock, held here between the attempts
+    before = _what_exists(Path(cfg.output_dir))
     try:
         while True:
             try:
@@ -546,6 +550,12 @@ def _run(cfg, fault: Fault | None) -> dict:
                 cfg = cfg.replace(**restart_values(cfg))
                 if held is None:  # the attempt that held the directory is gone: hold it from here on, so no other
                     held = RunLock(Path(cfg.output_dir)).acquire()  # process starts there between the attempts
+    except BaseException:
+        if held is not None and not is_revffn_run(Path(cfg.output_dir)):  # no attempt opened the run (each failed
+            held.release()                                                # building it): leave the directory as
+            held = None                                                   # it was
+            _remove_created(Path(cfg.output_dir), *before)
+        raise
     finally:
         if held is not None:
             held.release()

@@ -12,21 +12,17 @@ from pathlib import Path
 
 import yaml
 
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from revffn.training.watch import read_jsonl
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return _read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def event_lines(run_dir: Path) -> list[str]:
     """The report's lines for events.jsonl's stalls and memory-growth warnings (restarts: the summary)."""
     lines = []
-    for e in _read_jsonl(Path(run_dir) / "events.jsonl"):
+    for e in read_jsonl(Path(run_dir) / "events.jsonl"):
         if e["event"] == "stall":
             lines.append(f"- stalled after step {e['step']}: no step in {e['stall_timeout_s']} s, the process exited "
                          "with code 3 (every thread's stack: events.jsonl)")

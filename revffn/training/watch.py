@@ -50,8 +50,32 @@ def append_event(run_dir: Path, event: str, **fields) -> None:
     """One line of events.jsonl (restarts, stalls, memory growth); nothing when the run dir is absent."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
-        with open(run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+        with open(run_dir / "events.jsonl", "a+b") as f:  # (writes go to the end, wherever it read)
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    line = "\n" + line  # after the unfinished line a killed process left
+            f.write(line.encode())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file the run appends to (metrics.jsonl, events.jsonl); a line that does not
+    parse, which a process killed mid-write leaves, is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [r for line in path.read_text(errors="replace").splitlines() if (r := read_jsonl_line(line)) is not None]
+
+
+def read_jsonl_line(line: str) -> dict | None:
+    """One record of a run's JSON-lines file, or None for a line a killed write left unfinished."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def thread_stacks() -> dict[str, str]:

@@ -12,7 +12,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from revffn import cli
-from revffn.training.setup import RUN_MARKER
+from revffn.training.loop import Recipe
+from revffn.training.setup import LOCK_FILE, RUN_MARKER
+from revffn.training.watch import append_event, read_jsonl
 
 FAULT_RUN = Path(__file__).with_name("fault_run.py")
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
@@ -122,3 +124,50 @@ def test_a_kill_at_every_step_of_the_final_swap_leaves_a_loadable_final(tmp_path
     assert cli.main(["train", *args, "max_steps=4", "resume=true"]) == 0  # its start sweeps what the kill left
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".tmp-", ".old-"))) == []
     _load(run_dir / "final")
+
+
+def _stale_lock(run_dir: Path) -> None:
+    """The lock file a start killed while building the model leaves: its holder's name, no flock on it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "gone", "started": "2026-01-01T00:00:00"}))
+
+
+def test_a_start_killed_while_building_leaves_nothing_that_blocks_the_next(tmp_path, capsys):
+    """Its stale lock is taken over: a start with bad input found while building leaves no events.jsonl (the
+    killed start's lock file, not the user's, goes), and the corrected start runs, logging the takeover."""
+    run_dir = tmp_path / "run"
+    _stale_lock(run_dir)
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", "method=lora",
+                     "lora.target_modules=[nonexistent_proj]"]) == 2
+    assert list(run_dir.iterdir()) == [] and "lora.target_modules" in capsys.readouterr().err
+    for extra in ([], ["overwrite=true"]):  # a start killed while building: in a fresh directory, over a run
+        _stale_lock(run_dir)
+        assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", *extra]) == 0, extra
+        assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")] == ["lock_taken_over"]
+
+
+def test_max_restarts_over_a_build_that_keeps_failing_leaves_the_directory_as_it_was(tmp_path, capsys, monkeypatch):
+    def crash(self):
+        raise RuntimeError("injected: the build failed")
+
+    monkeypatch.setattr(Recipe, "build", crash)  # (the attempts are forked: they inherit it)
+    fresh = tmp_path / "new" / "run"
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={fresh}", "max_restarts=2"]) == 1
+    assert "injected: the build failed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_after_a_kill_mid_line_in_metrics_and_events(tmp_path, capsys):
+    """A process killed while writing a line of metrics.jsonl or events.jsonl leaves it unfinished: the resume
+    drops it, and the next event starts on its own line."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *TINY, "max_steps=2", "save_steps=1", f"output_dir={run_dir}"]) == 0
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    (run_dir / "events.jsonl").write_text('{"event": "stall", "st')
+    assert cli.main(["train", *TINY, "max_steps=3", "save_steps=1", f"output_dir={run_dir}", "resume=true"]) == 0
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert read_jsonl(run_dir / "events.jsonl") == []  # (no event in a plain resume; the partial line skipped)
+    append_event(run_dir, "restart")
+    assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")] == ["restart"]

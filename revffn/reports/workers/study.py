@@ -33,6 +33,7 @@ import yaml
 
 from revffn.memory.measure import current_rss_bytes, reset_peak_memory
 from revffn.training.evaluate import RETENTION_SET
+from revffn.training.watch import read_jsonl
 
 BASE = "builtin:base"
 
@@ -131,7 +132,7 @@ def run_job(job: dict, baseline: int) -> dict:
     gc.collect()  # the models evaluated before training are gone; the peak is training's from here
     result["peak_since"] = "training" if reset_peak_memory(eval_device(job)) else "start"
     summary = run(cfg)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     boundary = method.steady_state_step()
     after_stage1 = [r["eval_loss"] for r in records if boundary and r["step"] == boundary and "eval_loss" in r]
     result.update(
