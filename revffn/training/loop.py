@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from revffn.data.collate import DataOrder, collate, data_shard, shard_rows
-from revffn.errors import DiskFull, UserError
+from revffn.errors import DiskFull, UserError, one_line
 from revffn.memory.measure import peak_memory_bytes
 from revffn.models.cache import staged_dir, sweep_staged
 from revffn.models.generation import save_generation_config
@@ -165,6 +165,16 @@ class Recipe:
         self.metrics = self._open.enter_context(open(plan.run_dir / "metrics.jsonl", "a")) if self.main else None
 
     def _resume(self, path: Path) -> None:
+        try:
+            self._load_checkpoint(path)
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # its files hash as its manifest says: written so (another version), or rehashed
+            raise UserError(f"resume: checkpoint {str(path)!r} verifies but does not load ({type(e).__name__}: "
+                            f"{one_line(e)[:300]}). Nothing was touched. Fix: resume=PATH an earlier "
+                            "checkpoints/step-N, or start the run over with overwrite=true.") from e
+
+    def _load_checkpoint(self, path: Path) -> None:
         saved = read_trainer_state(path)
         self.run.method.load_state_dict(saved.get("method_state", {}))  # e.g. which adapters RevFFN folded
         restructure(self.run, saved["step"] - 1)  # the structure the checkpoint's last step ran with

@@ -372,8 +372,12 @@ def open_stream(cfg, tokenizer):
 
 def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:
     check_output_dir(cfg, run_dir, resume_from)
-    if resume_from is not None:
-        read_trainer_state(resume_from)  # a damaged one raises here, before the run's directory is locked
+    if resume_from is not None:  # a damaged one raises here, before the run's directory is locked
+        step = read_trainer_state(resume_from)["step"]
+        if step > cfg.max_steps:
+            raise UserError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint to resume, "
+                            f"{str(resume_from)!r} (step {step}). Nothing was touched. Fix: max_steps above {step} to "
+                            f"train on from it, or resume=PATH a checkpoints/step-N with N <= {cfg.max_steps}.")
     if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
         raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
                         "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from revffn import cli
 from revffn.training.loop import Recipe
+from revffn.training.manifest import read_manifest, write_manifest
 from revffn.training.setup import LOCK_FILE, RUN_MARKER
 from revffn.training.watch import append_event, read_jsonl
 
@@ -171,3 +172,40 @@ def test_resume_after_a_kill_mid_line_in_metrics_and_events(tmp_path, capsys):
     assert read_jsonl(run_dir / "events.jsonl") == []  # (no event in a plain resume; the partial line skipped)
     append_event(run_dir, "restart")
     assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")] == ["restart"]
+
+
+def _rewrite(path: Path, damage) -> None:
+    """`damage(file)`, then the checkpoint's manifest rehashed: it verifies, as one written so would."""
+    damage(path)
+    ckpt = path.parent
+    write_manifest(ckpt, read_manifest(ckpt)["config"])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p: _rewrite(p / "optimizer.pt", lambda f: f.write_bytes(b"not a pickle")),
+    lambda p: _rewrite(p / "rng.pt", lambda f: f.write_bytes(b"")),
+    lambda p: _rewrite(p / "model.safetensors", lambda f: f.write_bytes(f.read_bytes()[:200])),
+    lambda p: _rewrite(p / "trainer_state.json", lambda f: f.write_text(json.dumps(
+        {**json.loads(f.read_text()), "data_order": {}}))),
+], ids=["optimizer", "rng", "truncated_weights", "data_order"])
+def test_a_checkpoint_that_verifies_but_does_not_load_is_refused(tmp_path, capsys, damage):
+    """Exit 2 naming the checkpoint, the directory as it was; under max_restarts too (it used to start over)."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *TINY, "max_steps=2", "save_steps=1", f"output_dir={run_dir}"]) == 0
+    damage(run_dir / "checkpoints" / "step-1")
+    before = _tree(run_dir)
+    for extra in ([], ["max_restarts=2"]):
+        assert cli.main(["train", *TINY, "max_steps=3", f"output_dir={run_dir}", "resume=true", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "checkpoints/step-1' verifies but does not load" in err and "Fix:" in err, err
+        assert "Traceback" not in err and _tree(run_dir) == before
+
+
+def test_a_resume_past_max_steps_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *TINY, "max_steps=3", "save_steps=2", f"output_dir={run_dir}"]) == 0
+    before = _tree(run_dir)
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={run_dir}", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "max_steps: 1 is below the step of the checkpoint" in err and "(step 2)" in err and "Fix:" in err, err
+    assert _tree(run_dir) == before
