@@ -324,6 +324,11 @@ def prepare_run(cfg) -> RunPlan:
     if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`)
         check_model_config(cfg.model, cfg.model_config)
     tokenizer = model_tokenizer(model_dir or cfg.model, cfg.tokenizer)
+    vocab = cfg.model_config.get("vocab_size")
+    if isinstance(vocab, int) and vocab < len(tokenizer):
+        raise UserError(f"model_config.vocab_size: {vocab} is below the tokenizer's {len(tokenizer)} tokens: the ids "
+                        f"above it have no embedding. Fix: model_config.vocab_size={len(tokenizer)} or more, or drop "
+                        "it (a tiny preset takes the tokenizer's).")
     if cfg.streaming:
         train_set = open_stream(cfg, tokenizer)
     else:

@@ -254,12 +254,32 @@ def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
                                      "Fix: model_config.hidden_size=64 or another integer."),
     ("model_config.num_hidden_layers=-1", "model_config.num_hidden_layers: must be at least 1, got -1. Fix:"),
     ("model_config.tie_word_embeddings=3", "model_config.tie_word_embeddings: expected a boolean"),
-], ids=["misspelled", "type", "range", "bool"])
+    # values that build but failed at the first step, after the run directory was written
+    ("model_config.num_experts_per_tok=100", "model_config: num_experts_per_tok=100 is more than the 8 experts there "
+                                             "are. Fix: num_experts_per_tok between 1 and 8."),
+    ("model_config.num_key_value_heads=3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("model_config.attention_dropout=2.0", "attention_dropout=2.0 is not a probability. Fix:"),
+    ("model_config.vocab_size=10", "model_config.vocab_size: 10 is below the tokenizer's"),
+    # values transformers does not build with (a traceback from its modules)
+    ("model_config.hidden_act=foo", "'hidden_act': 'foo'}: KeyError: 'foo'. Fix:"),
+    ("model_config.decoder_sparse_step=0", "ZeroDivisionError"),
+    ("model_config.pad_token_id=100000", "AssertionError: Padding_idx must be within num_embeddings. Fix:"),
+], ids=["misspelled", "type", "range", "bool", "top_k", "kv_heads", "dropout", "vocab", "act", "sparse_step", "pad"])
 @pytest.mark.parametrize("command", ["train", "validate"])
 def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, over, needle, command):
     """A misspelled key used to be stored unread (the model built without it), a wrong type to end in a traceback."""
     p = _cfg(tmp_path, model_config={"num_hidden_layers": 1, "hidden_size": 64})
     _fails(capsys, [command, str(p), over], needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_config_keeps_a_pretrained_models_weight_shapes(tmp_path, capsys):
+    """Its depth may be cut; a width would not load (it was a traceback from transformers' load report)."""
+    p = _cfg(tmp_path, model="builtin:base", model_config={"num_hidden_layers": 1})
+    assert cli.main(["validate", str(p)]) == 0
+    _fails(capsys, ["train", str(p), "model_config.hidden_size=64"], "model_config: builtin:base is pretrained, and "
+           "with hidden_size=64 its weight model.embed_tokens.weight would have shape [2048, 64], not the stored "
+           "[2048, 256]", "Fix: drop those keys")
     assert not (tmp_path / "run").exists()
 
 
