@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from revffn.errors import UserError
 from revffn.memory.estimate import MemoryContext, MemoryTerms
 from revffn.schema import Key, Record, record_type
 
@@ -249,3 +250,12 @@ def export_hf(model: nn.Module, out_dir: Path, **manifest) -> None:
 
 def write_manifest(out_dir: Path, **fields) -> None:
     (out_dir / "revffn.json").write_text(json.dumps(fields, indent=2))
+
+
+def check_not_head(method: str, target: str, names: list[str], head: str) -> None:
+    """An adapter target must not be the LM head: the loss reads the head's weight itself (`causal_lm_loss`'s
+    chunked cross-entropy), so an adapter wrapped around it would never see a gradient."""
+    if head in names:
+        raise UserError(f"{method}.target_modules: {target!r} matches the LM head ({head}), whose weight the loss "
+                        "reads directly (a chunked cross-entropy): an adapter there would never train. Fix: target "
+                        "the decoder layers' projections (e.g. q_proj, v_proj), or method=full to train the head.")

@@ -35,7 +35,7 @@ from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
-from revffn.methods.base import Method, write_manifest
+from revffn.methods.base import Method, check_not_head, write_manifest
 from revffn.schema import Key
 
 # Linear modules (suffixes of module names): attention and shared-expert / dense-MLP projections.
@@ -94,6 +94,7 @@ def resolve_targets(hf: nn.Module, targets: list[str] | None, include_router: bo
         for t in targets:
             hit_module = [n for n in linears if _matches(n, t)]
             hit_param = [n for n in loose if _matches(n, t)]
+            check_not_head(method, t, hit_module, spec.head)
             if any(map(is_router, hit_module + hit_param)) and not include_router:
                 raise UserError(f"{method}.target_modules: {t!r} matches the router ({router}). Fix: set "
                                 f"{method}.include_router: true to adapt it, or drop {t!r}.")

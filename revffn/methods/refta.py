@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from revffn.archs.architectures import spec_for
 from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
 from revffn.memory.saved import Grad
-from revffn.methods.base import Method, write_manifest
+from revffn.methods.base import Method, check_not_head, write_manifest
 from revffn.schema import Key
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -136,6 +137,8 @@ def wrap(model: CausalLM, targets: list[str], r: int, alpha: float) -> list[ReFT
     found = [(n, m) for n, m in model.hf.named_modules() if isinstance(m, nn.Linear)
              and any(_suffix(n, t) for t in targets)]
     missing = [t for t in targets if not any(_suffix(n, t) for n, _ in found)]
+    for t in targets:
+        check_not_head("refta", t, [n for n, _ in found if _suffix(n, t)], spec_for(model.hf).head)
     if missing:
         raise UserError(f"refta.target_modules: {missing} match no nn.Linear module. Fix: use names like "
                         f"{', '.join(DEFAULT_TARGETS)}, or null for the defaults.")

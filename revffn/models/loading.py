@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -304,114 +303,6 @@ def load_hf(model: str, dtype: torch.dtype = torch.float32, seed: int = 0, **con
                                                     use_kernels=False)
     finally:
         report.setLevel(level)
-
-
-POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
-                 "num_attention_heads", "num_key_value_heads", "num_experts", "num_local_experts",
-                 "num_experts_per_tok")
-
-
-def check_model_config(model: str, overrides: dict, key: str = "model_config") -> None:
-    """`model_config` before any model is built (it reads configs only): every key a setting of the model's config
-    class, each value of the type the model's own is (an integer for an integer, a number for a float, a boolean for
-    a boolean), a geometry at least 1 (`POSITIVE_KEYS`), and transformers' own checks of the config built with them.
-
-    Raises:
-        UserError: naming `key.NAME` (a misspelled key would otherwise be stored unread and the model built without it).
-    """
-    if not overrides:
-        return
-    base = hf_config(model)
-    known = set(base.to_dict())
-    if hasattr(base, "rope_parameters"):  # transformers 5 still takes the older keywords into rope_parameters
-        known |= {"rope_theta", "rope_scaling"}
-    if model_kind(model) == "dir" and (Path(model).expanduser() / "config.json").is_file():
-        known |= set(json.loads((Path(model).expanduser() / "config.json").read_text()))
-    for name, value in overrides.items():
-        if name not in known and not hasattr(base, name):
-            raise UserError(f"{key}.{name}: {type(base).__name__} ({model}) has no setting {name!r}."
-                            f"{closest(name, known)} Fix: a key of the model's config.json, e.g. num_hidden_layers.")
-        held = getattr(base, name, None)
-        wrong = (not isinstance(value, bool) if isinstance(held, bool) else
-                 isinstance(value, bool) or not isinstance(value, int) if isinstance(held, int) else
-                 isinstance(value, bool) or not isinstance(value, int | float) if isinstance(held, float) else False)
-        if wrong:
-            kind = "a boolean" if isinstance(held, bool) else "an integer" if isinstance(held, int) else "a number"
-            fix = "true or false" if isinstance(held, bool) else f"{held!r} or another {kind.split()[-1]}"
-            raise UserError(f"{key}.{name}: expected {kind} (the model's is {held!r}), got {value!r}. Fix: "
-                            f"{key}.{name}={fix}.")
-        if name in POSITIVE_KEYS and value < 1:
-            raise UserError(f"{key}.{name}: must be at least 1, got {value!r}. Fix: a positive {name}.")
-    try:
-        if model_kind(model) in ("dir", "shipped", "hub"):
-            stored_depth_config(resolve_model_ref(model, weights=False), **overrides)
-        else:
-            hf_config(model, **overrides)
-    except UserError:
-        raise
-    except Exception as e:  # transformers' validation of the config (a strict dataclass since 5.x)
-        raise UserError(f"{key}: {type(base).__name__} refuses {overrides}: {_reason(e)}. Fix: values that fit "
-                        "together (e.g. num_attention_heads dividing hidden_size).") from None
-    config = hf_config(model, **overrides) if model_kind(model) in ("tiny", "config") else \
-        stored_depth_config(resolve_model_ref(model, weights=False), **overrides)
-    if problem := _geometry_problem(config):
-        raise UserError(f"{key}: {problem}")
-    _check_builds(model, overrides, key, type(base).__name__)
-
-
-def _reason(error: BaseException) -> str:
-    """An exception as one line for a message: its text, else its type (a bare assert says nothing)."""
-    text = one_line(error)[:300]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _geometry_problem(config) -> str | None:
-    """What in an HF config (with its `model_config` overrides) the model would build with but fail on at its first
-    step, with the fix; None when it fits together."""
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(kv, int) and kv and heads % kv:
-        return (f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} (each key/value head "
-                "serves a group of query heads). Fix: num_key_value_heads dividing num_attention_heads, e.g. "
-                f"num_key_value_heads={math.gcd(heads, kv)}.")
-    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
-    if isinstance(heads, int) and isinstance(hidden, int) and head_dim is None and hidden % heads:
-        return (f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}. Fix: num_attention_heads "
-                "dividing hidden_size, or set head_dim.")
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(config, k, None), int)), None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if isinstance(top_k, int) and experts and top_k > experts:
-        return (f"num_experts_per_tok={top_k} is more than the {experts} experts there are. Fix: "
-                f"num_experts_per_tok between 1 and {experts}.")
-    for name, value in sorted(config.to_dict().items()):
-        if name.endswith("dropout") and isinstance(value, int | float) and not 0 <= value <= 1:
-            return f"{name}={value} is not a probability. Fix: {name} between 0 and 1 (0: no dropout)."
-    return None
-
-
-def _check_builds(model: str, overrides: dict, key: str, arch: str) -> None:
-    """The model builds with the overrides (on the meta device: no weights), and, pretrained, its stored weights
-    still fit it: an override that changes a weight's shape (hidden_size, vocab_size, ...) is refused."""
-    from revffn.models.sharded import meta_hf  # (which imports this module)
-
-    try:
-        built = meta_hf(model, **overrides)
-    except UserError:
-        raise
-    except Exception as e:  # e.g. an activation transformers does not know, a padding id outside the vocabulary
-        raise UserError(f"{key}: {arch} ({model}) cannot be built with {overrides}: {_reason(e)}. Fix: a value the "
-                        "model's config.json could hold (see its documentation in transformers).") from None
-    if model_kind(model) in ("tiny", "config"):
-        return
-    stored = {name: p.shape for name, p in meta_hf(model).named_parameters()}
-    for name, p in built.named_parameters():
-        if name in stored and p.shape != stored[name]:
-            changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if k != "num_hidden_layers")
-            raise UserError(f"{key}: {model} is pretrained, and with {changed} its weight {name} would have shape "
-                            f"{list(p.shape)}, not the stored {list(stored[name])}: its weights would not load. Fix: "
-                            "drop those keys (model_config may cut num_hidden_layers and change settings that keep the "
-                            "weights' shapes), or train a random model of that geometry (model=tiny-qwen2-moe or "
-                            "another tiny preset, with model_config).")
 
 
 def stored_depth_config(path: str | Path, **overrides):

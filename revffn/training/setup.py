@@ -25,7 +25,8 @@ import yaml
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
-from revffn.models.loading import check_model_config, check_model_ref, is_converted, resolve_model_ref
+from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
+from revffn.models.model_config import check_model_config
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config

@@ -316,7 +316,10 @@ def test_teacher_cache_that_is_a_file(tmp_path, capsys):
     (["method=lora", "lora.target_modules=[nonexistent_proj]"], "lora.target_modules: 'nonexistent_proj' matches no"),
     (["method=lora", "lora.lora_dropout=0.1"], "lora.lora_dropout=0.1 cannot apply to the parameter targets"),
     (["method=refta", "refta.target_modules=[gate]"], "refta.target_modules: ['gate'] match no nn.Linear module"),
-], ids=["lora-target", "lora-dropout-experts", "refta-target"])
+    # the loss reads the head's weight itself: an adapter on it never trained (alone: a RuntimeError at step 1)
+    *((["method=" + m, f"{m}.target_modules=[q_proj, lm_head]"], f"{m}.target_modules: 'lm_head' matches the LM head")
+      for m in ("lora", "dora", "refta")),
+], ids=["lora-target", "lora-dropout-experts", "refta-target", "lora-head", "dora-head", "refta-head"])
 def test_validate_prepares_the_method_on_the_models_modules(tmp_path, capsys, over, needle):
     """Found by preparing the method on the model built on the meta device: validate no longer says "config OK"
     for what train then refuses."""
