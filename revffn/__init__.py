@@ -8,9 +8,35 @@
     model = revffn.load("runs/quickstart/final")   # a trained run's final/ directory
 """
 
-from revffn.conversion.convert import RevFFNForCausalLM, convert
-from revffn.models.loading import load
-from revffn.models.presets import TINY_PRESETS, tiny_model
+from __future__ import annotations
+
+import importlib
+import sys
 
 __all__ = ["convert", "load", "tiny_model", "RevFFNForCausalLM", "TINY_PRESETS"]
 __version__ = "0.1.0"
+
+_EXPORTS = {"convert": "revffn.conversion.convert", "RevFFNForCausalLM": "revffn.conversion.convert",
+            "load": "revffn.models.loading", "tiny_model": "revffn.models.presets",
+            "TINY_PRESETS": "revffn.models.presets"}
+
+
+def __getattr__(name: str):
+    """The public names, imported on first use: `import revffn` itself loads neither torch nor transformers, so
+    the `revffn` command can answer a Ctrl-C during their import (`console`)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'revffn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def console() -> int:
+    """The `revffn` command: `cli.main`, after its imports (seconds: torch, transformers), which a Ctrl-C may cut
+    short with one line instead of a traceback."""
+    try:
+        from revffn.cli import main
+    except KeyboardInterrupt:
+        print("revffn: interrupted", file=sys.stderr)
+        return 130
+    return main()

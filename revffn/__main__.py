@@ -1,3 +1,3 @@
-from revffn.cli import main
+from revffn import console
 
-raise SystemExit(main())
+raise SystemExit(console())

@@ -19,6 +19,7 @@ Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
-from revffn.errors import UserError
+from revffn.errors import DiskFull, UserError, disk_fault, one_line
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
@@ -665,6 +666,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`| head`): as Python's docs advise, no traceback, and
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
+    except OSError as e:
+        if (why := disk_fault(e)) is None:
+            traceback.print_exc()
+            print(f"revffn {args.command}: failed (see the traceback above)", file=sys.stderr)
+            return 1
+        print(f"revffn {args.command}: error: a write failed: {why} ({one_line(e)}). Fix: free space, or write the "
+              "output elsewhere.", file=sys.stderr)
+        with contextlib.suppress(OSError):  # no second error at exit's flush of what stdout still holds
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return DiskFull.exit_code
     except Exception:
         traceback.print_exc()
         print(f"revffn {args.command}: failed (see the traceback above)", file=sys.stderr)

@@ -49,5 +49,8 @@ def one_line(error: BaseException | str) -> str:
 
 def closest(word: str, choices) -> str:
     """A ' Did you mean X?' suffix, or '' when nothing is close."""
+    name, colon, value = word.partition(":")
+    if colon and name in set(choices):  # YAML's flow mapping {a:1}, no space after the colon: one key "a:1"
+        return f" YAML reads {word!r}, with no space after the colon, as one key: write `{name}: {value}`."
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" Did you mean {match[0]!r}?" if match else ""

@@ -157,7 +157,8 @@ class PeftMethod(Method):
         opts = cfg.section(cls.name)
         tm = opts["target_modules"]
         if tm is not None and (not tm or not all(isinstance(t, str) and t for t in tm)):
-            raise UserError(f"{cls.name}.target_modules: expected a non-empty list of names or null, got {tm!r}.")
+            raise UserError(f"{cls.name}.target_modules: expected a non-empty list of names or null, got {tm!r}. "
+                            f"Fix: {cls.name}.target_modules=[q_proj, v_proj], or null for the defaults.")
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         from peft import LoraConfig, get_peft_model

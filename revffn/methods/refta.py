@@ -89,7 +89,8 @@ class ReFTAMethod(Method):
     def validate(cls, cfg) -> None:
         tm = cfg.section(cls.name)["target_modules"]
         if tm is not None and (not tm or not all(isinstance(t, str) and t for t in tm)):
-            raise UserError(f"refta.target_modules: expected a non-empty list of names or null, got {tm!r}.")
+            raise UserError(f"refta.target_modules: expected a non-empty list of names or null, got {tm!r}. Fix: "
+                            "refta.target_modules=[q_proj, v_proj], or null for q/k/v/o_proj.")
 
     def prepare(self, hf_model: nn.Module) -> nn.Module:
         model = CausalLM(hf_model, self.cfg.router_aux_loss_coef)

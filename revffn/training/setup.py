@@ -169,6 +169,16 @@ def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
     if blocker is not None:
         raise UserError(f"output_dir: {str(run_dir)!r} cannot be a directory: {str(blocker)!r} is a file. Fix: "
                         "choose another output_dir.")
+    dangling = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        raise UserError(f"output_dir: {str(run_dir)!r} cannot be a directory: {str(dangling)!r} is a symbolic link to "
+                        f"{os.readlink(dangling)!r}, which does not exist. Fix: create its target, or choose another "
+                        "output_dir.")
+    nearest = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        what = "is" if nearest == run_dir else f"would be made in {str(nearest)!r}, which is"
+        raise UserError(f"output_dir: {str(run_dir)!r} {what} not writable by this user. Nothing was touched. "
+                        "Fix: choose an output_dir you can write to.")
     present = run_files(run_dir)
     if present and not is_revffn_run(run_dir):
         verb = "overwrite=true would delete" if cfg.overwrite else "the run would overwrite"

@@ -1,8 +1,10 @@
 """Bad arguments the subcommands refuse before any work (exit 2, nothing written), and a reader of stdout that
-goes away (`| head`): no traceback."""
+goes away (`| head`), a full disk under it or a Ctrl-C while the command imports: one line, no traceback."""
 
+import signal
 import subprocess
 import sys
+import time
 
 from revffn import cli
 
@@ -27,3 +29,24 @@ def test_a_closed_stdout_ends_without_a_traceback():
     proc.stdout.close()  # as `| head` does once it has its lines: every write then fails
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_full_disk_under_stdout_is_one_line():
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "revffn", "estimate", "--model", "tiny-qwen2-moe"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and "a write failed: no space left on the device" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "Fix:" in proc.stderr
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line():
+    """`import revffn` loads neither torch nor transformers; the command's imports (over a second) answer a Ctrl-C."""
+    cheap = subprocess.run([sys.executable, "-c", "import sys, revffn; print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert cheap.stdout.strip() == "False", cheap.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "revffn", "estimate", "--model", "tiny-qwen2-moe"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # (Python's start: tens of ms; importing torch and transformers: over a second)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err

@@ -254,6 +254,8 @@ def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
                                      "Fix: model_config.hidden_size=64 or another integer."),
     ("model_config.num_hidden_layers=-1", "model_config.num_hidden_layers: must be at least 1, got -1. Fix:"),
     ("model_config.tie_word_embeddings=3", "model_config.tie_word_embeddings: expected a boolean"),
+    ("model_config={num_hidden_layers:1}", "YAML reads 'num_hidden_layers:1', with no space after the colon, as one "
+                                           "key: write `num_hidden_layers: 1`."),
     # values that build but failed at the first step, after the run directory was written
     ("model_config.num_experts_per_tok=100", "model_config: num_experts_per_tok=100 is more than the 8 experts there "
                                              "are. Fix: num_experts_per_tok between 1 and 8."),
@@ -264,7 +266,7 @@ def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
     ("model_config.hidden_act=foo", "'hidden_act': 'foo'}: KeyError: 'foo'. Fix:"),
     ("model_config.decoder_sparse_step=0", "ZeroDivisionError"),
     ("model_config.pad_token_id=100000", "AssertionError: Padding_idx must be within num_embeddings. Fix:"),
-], ids=["misspelled", "type", "range", "bool", "top_k", "kv_heads", "dropout", "vocab", "act", "sparse_step", "pad"])
+], ids=["misspelled", "type", "range", "bool", "colon", "top_k", "kv_heads", "dropout", "vocab", "act", "sparse_step", "pad"])
 @pytest.mark.parametrize("command", ["train", "validate"])
 def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, over, needle, command):
     """A misspelled key used to be stored unread (the model built without it), a wrong type to end in a traceback."""

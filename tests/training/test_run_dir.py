@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,20 @@ def test_a_resume_past_max_steps_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "max_steps: 1 is below the step of the checkpoint" in err and "(step 2)" in err and "Fix:" in err, err
     assert _tree(run_dir) == before
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    """A dangling symbolic link on its path, or a parent this user cannot write to: exit 2 naming it (both were a
+    traceback from mkdir, after the model was built)."""
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={tmp_path / 'link' / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "link' is a symbolic link to" in err and "which does not exist. Fix:" in err, err
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the permission it lacks elsewhere, as os.access would say
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked)
+    assert cli.main(["train", *TINY, "max_steps=1", f"output_dir={locked / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"would be made in {str(locked)!r}, which is not writable by this user" in err and "Fix:" in err, err
+    assert list(locked.iterdir()) == []
