@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 
 __all__ = ["convert", "load", "tiny_model", "RevFFNForCausalLM", "TINY_PRESETS"]
 __version__ = "0.1.0"
@@ -23,20 +22,9 @@ _EXPORTS = {"convert": "revffn.conversion.convert", "RevFFNForCausalLM": "revffn
 
 def __getattr__(name: str):
     """The public names, imported on first use: `import revffn` itself loads neither torch nor transformers, so
-    the `revffn` command can answer a Ctrl-C during their import (`console`)."""
+    the `revffn` command can answer a Ctrl-C during their import (`revffn.__main__.console`)."""
     if name not in _EXPORTS:
         raise AttributeError(f"module 'revffn' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
-
-
-def console() -> int:
-    """The `revffn` command: `cli.main`, after its imports (seconds: torch, transformers), which a Ctrl-C may cut
-    short with one line instead of a traceback."""
-    try:
-        from revffn.cli import main
-    except KeyboardInterrupt:
-        print("revffn: interrupted", file=sys.stderr)
-        return 130
-    return main()

@@ -19,7 +19,6 @@ Exit codes: 0 ok, 1 failed (check over tolerance, training diverged or crashed, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -642,11 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     # (`reversible.buffered.deterministic_kernels`): set here, for this process and the workers it starts; no
     # effect off CUDA
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    if "TRANSFORMERS_VERBOSITY" not in os.environ:  # transformers is imported already (revffn/__init__): set it
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # for child processes too
-        from transformers.utils import logging as hf_logging
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:  # read as transformers is imported: here and in child processes
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        if "transformers" in sys.modules:  # (imported already, by a caller of main)
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
+            hf_logging.set_verbosity_error()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train", "validate") and len(argv) > 1 and "=" in argv[1]:
@@ -673,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"revffn {args.command}: error: a write failed: {why} ({one_line(e)}). Fix: free space, or write the "
               "output elsewhere.", file=sys.stderr)
-        with contextlib.suppress(OSError):  # no second error at exit's flush of what stdout still holds
+        try:
+            sys.stdout.flush()  # what was printed before reaches a stdout that still takes it
+        except OSError:  # stdout is the full one: no second error at exit's flush
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return DiskFull.exit_code
     except Exception:

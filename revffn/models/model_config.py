@@ -18,9 +18,11 @@ POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_i
 
 
 def check_model_config(model: str, overrides: dict, key: str = "model_config") -> None:
-    """`model_config` before any model is built (it reads configs only): every key a setting of the model's config
-    class, each value of the type the model's own is (an integer for an integer, a number for a float, a boolean for
-    a boolean), a geometry at least 1 (`POSITIVE_KEYS`), and transformers' own checks of the config built with them.
+    """`model_config` before the model is loaded (it reads configs, and builds on the meta device): every key a
+    setting of the model's config class, each value of the type the model's own is (an integer for an integer, a
+    number for a float, a boolean for a boolean), a geometry at least 1 (`POSITIVE_KEYS`), transformers' own checks
+    of the config built with them, a geometry the first step would not fail on and a model that builds (where the
+    model without the overrides does), and a pretrained model's weight shapes unchanged.
 
     Raises:
         UserError: naming `key.NAME` (a misspelled key would otherwise be stored unread and the model built without it).
@@ -58,11 +60,40 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
     except Exception as e:  # transformers' validation of the config (a strict dataclass since 5.x)
         raise UserError(f"{key}: {type(base).__name__} refuses {overrides}: {_reason(e)}. Fix: values that fit "
                         "together (e.g. num_attention_heads dividing hidden_size).") from None
-    config = hf_config(model, **overrides) if model_kind(model) in ("tiny", "config") else \
-        stored_depth_config(resolve_model_ref(model, weights=False), **overrides)
-    if problem := _geometry_problem(config):
+    ref = model if model_kind(model) in ("tiny", "config") else resolve_model_ref(model, weights=False)
+    if problem := _new_problem(ref, overrides, _geometry_problem):
         raise UserError(f"{key}: {problem}")
-    _check_builds(model, overrides, key, type(base).__name__)
+    if problem := _new_problem(ref, overrides, _build_problem):
+        raise UserError(f"{key}: {type(base).__name__} ({model}) cannot be built with {overrides}: {problem}. Fix: a "
+                        "value the model's config.json could hold (see its documentation in transformers).")
+    if model_kind(model) not in ("tiny", "config") and set(overrides) - {"num_hidden_layers"}:
+        _check_weight_shapes(model, ref, overrides, key)
+
+
+# what changes the shape of a weight (a pretrained model's would not load), as the message names them
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+              "num_local_experts", "n_routed_experts", "n_shared_experts", "tie_word_embeddings")
+
+
+def _new_problem(ref: str, overrides: dict, find) -> str | None:
+    """`find(ref, overrides)`'s problem where the model without the overrides has none (one it has already is not
+    the overrides' doing: training will tell)."""
+    problem = find(ref, overrides)
+    return problem if problem is not None and find(ref, {}) is None else None
+
+
+def _config(ref: str, overrides: dict):
+    return hf_config(ref, **overrides) if model_kind(ref) in ("tiny", "config") else \
+        stored_depth_config(ref, **overrides)
+
+
+def _get(config, name: str):
+    """A config attribute, or None (a per-layer config raises on the global ones: gemma4's head_dim)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
 
 
 def _reason(error: BaseException) -> str:
@@ -71,21 +102,22 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _geometry_problem(config) -> str | None:
-    """What in an HF config (with its `model_config` overrides) the model would build with but fail on at its first
-    step, with the fix; None when it fits together."""
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+def _geometry_problem(ref: str, overrides: dict) -> str | None:
+    """What in the model's HF config (with `overrides`) it would build with but fail on at its first step, with the
+    fix; None when it fits together."""
+    config = _config(ref, overrides)
+    heads, kv = _get(config, "num_attention_heads"), _get(config, "num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv and heads % kv:
         return (f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} (each key/value head "
                 "serves a group of query heads). Fix: num_key_value_heads dividing num_attention_heads, e.g. "
                 f"num_key_value_heads={math.gcd(heads, kv)}.")
-    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
-    if isinstance(heads, int) and isinstance(hidden, int) and head_dim is None and hidden % heads:
+    hidden, head_dim = _get(config, "hidden_size"), _get(config, "head_dim")
+    if isinstance(heads, int) and heads and isinstance(hidden, int) and head_dim is None and hidden % heads:
         return (f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}. Fix: num_attention_heads "
                 "dividing hidden_size, or set head_dim.")
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(config, k, None), int)), None)
-    top_k = getattr(config, "num_experts_per_tok", None)
+    experts = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(n := _get(config, k), int)), None)
+    top_k = _get(config, "num_experts_per_tok")
     if isinstance(top_k, int) and experts and top_k > experts:
         return (f"num_experts_per_tok={top_k} is more than the {experts} experts there are. Fix: "
                 f"num_experts_per_tok between 1 and {experts}.")
@@ -95,22 +127,25 @@ def _geometry_problem(config) -> str | None:
     return None
 
 
-def _check_builds(model: str, overrides: dict, key: str, arch: str) -> None:
-    """The model builds with the overrides (on the meta device: no weights), and, pretrained, its stored weights
-    still fit it: an override that changes a weight's shape (hidden_size, vocab_size, ...) is refused."""
+def _build_problem(ref: str, overrides: dict) -> str | None:
+    """Why the model does not build with `overrides` (on the meta device: no weights), or None."""
     try:
-        built = meta_hf(model, **overrides)
+        meta_hf(ref, **overrides)
     except UserError:
         raise
     except Exception as e:  # e.g. an activation transformers does not know, a padding id outside the vocabulary
-        raise UserError(f"{key}: {arch} ({model}) cannot be built with {overrides}: {_reason(e)}. Fix: a value the "
-                        "model's config.json could hold (see its documentation in transformers).") from None
-    if model_kind(model) in ("tiny", "config"):
-        return
-    stored = {name: p.shape for name, p in meta_hf(model).named_parameters()}
-    for name, p in built.named_parameters():
+        return _reason(e)
+    return None
+
+
+def _check_weight_shapes(model: str, ref: str, overrides: dict, key: str) -> None:
+    """A pretrained model's stored weights still fit it: an override that changes a weight's shape is refused."""
+    depth = {k: v for k, v in overrides.items() if k == "num_hidden_layers"}
+    stored = {name: p.shape for name, p in meta_hf(ref, **depth).named_parameters()}
+    for name, p in meta_hf(ref, **overrides).named_parameters():
         if name in stored and p.shape != stored[name]:
-            changed = ", ".join(f"{k}={v}" for k, v in overrides.items() if k != "num_hidden_layers")
+            keys = [k for k in overrides if k in SHAPE_KEYS] or [k for k in overrides if k != "num_hidden_layers"]
+            changed = ", ".join(f"{k}={overrides[k]}" for k in keys)
             raise UserError(f"{key}: {model} is pretrained, and with {changed} its weight {name} would have shape "
                             f"{list(p.shape)}, not the stored {list(stored[name])}: its weights would not load. Fix: "
                             "drop those keys (model_config may cut num_hidden_layers and change settings that keep the "

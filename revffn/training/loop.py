@@ -167,9 +167,11 @@ class Recipe:
     def _resume(self, path: Path) -> None:
         try:
             self._load_checkpoint(path)
-        except (UserError, KeyboardInterrupt):
+        except (UserError, MemoryError, torch.cuda.OutOfMemoryError):  # (the machine's: restartable)
             raise
         except Exception as e:  # its files hash as its manifest says: written so (another version), or rehashed
+            if data_shard()[1] > 1:  # under torchrun the error may be another rank's (a collective gave up)
+                raise
             raise UserError(f"resume: checkpoint {str(path)!r} verifies but does not load ({type(e).__name__}: "
                             f"{one_line(e)[:300]}). Nothing was touched. Fix: resume=PATH an earlier "
                             "checkpoints/step-N, or start the run over with overwrite=true.") from e
@@ -351,8 +353,7 @@ def train(cfg, restarts: int = 0, fault: Fault | None = None, restart_error: str
         except BaseException:  # before the directory is touched: leave it as it was (the lock's file included)
             recipe.cleanup(failed=True)
             if lock is not None and lock is not held:
-                lock.release()
-                _remove_created(plan.run_dir, *before)
+                _remove_created(lock, *before)
             raise
         if main:
             finished = finished_step(plan.run_dir) if plan.resume_from is not None else None  # (before the marker's
@@ -375,12 +376,14 @@ def _what_exists(run_dir: Path) -> tuple[Path | None, bool]:
     return missing, (run_dir / LOCK_FILE).exists() and is_revffn_run(run_dir)
 
 
-def _remove_created(run_dir: Path, missing: Path | None, run_lock: bool) -> None:
-    """What taking the lock created in a run that never opened its directory: the lock's file (unless a run's
-    own), and the directories from `run_dir` up to `missing` where they are empty."""
-    if not run_lock:
-        with contextlib.suppress(OSError):
-            (run_dir / LOCK_FILE).unlink()
+def _remove_created(lock: RunLock, missing: Path | None, run_lock: bool) -> None:
+    """Releases `lock`, removing what taking it created in a run that never opened its directory: the lock's file
+    (unless a run's own), and the directories from the run's up to `missing` where they are empty."""
+    run_dir = lock.run_dir
+    if run_lock:
+        lock.release()
+    else:
+        lock.remove()
     if missing is None:
         return
     for d in [run_dir, *run_dir.parents]:
@@ -393,7 +396,8 @@ def _remove_created(run_dir: Path, missing: Path | None, run_lock: bool) -> None
 def lock_run_dir(cfg, plan, restarts: int = 0, held: RunLock | None = None) -> RunLock:
     """The run directory's `RunLock`, and what needs it held: a final/ swap a killed run left half done is
     finished or rolled back (`sweep_staged`), and a run that another process started since `prepare_run` looked
-    is seen now. A lock its holder never released (killed) is taken over, and that is logged in events.jsonl.
+    is seen now. A lock its holder never released (killed) is taken over (`train` logs that in events.jsonl once
+    the run opens its directory).
     A UserError (held elsewhere, or a run there now) is raised on every rank under torchrun (`agree_on_lock`)."""
     lock = held
     try:
@@ -562,9 +566,8 @@ def _run(cfg, fault: Fault | None) -> dict:
                     held = RunLock(Path(cfg.output_dir)).acquire()  # process starts there between the attempts
     except BaseException:
         if held is not None and not is_revffn_run(Path(cfg.output_dir)):  # no attempt opened the run (each failed
-            held.release()                                                # building it): leave the directory as
+            _remove_created(held, *before)                                # building it): leave the directory as
             held = None                                                   # it was
-            _remove_created(Path(cfg.output_dir), *before)
         raise
     finally:
         if held is not None:

@@ -206,19 +206,27 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace")
-            os.close(fd)
+        path = self.run_dir / LOCK_FILE
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                h = json.loads(holder)
-                who = f"pid {h['pid']} on {h['host']} since {h['started']}"
-            except (ValueError, KeyError, TypeError):
-                who = "another process"
-            raise UserError(f"output_dir: {str(self.run_dir)!r} is in use: held by {who}. Nothing was touched. Fix: "
-                            "wait for it to finish, or choose another output_dir.") from None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace")
+                os.close(fd)
+                try:
+                    h = json.loads(holder)
+                    who = f"pid {h['pid']} on {h['host']} since {h['started']}"
+                except (ValueError, KeyError, TypeError):
+                    who = "another process"
+                raise UserError(f"output_dir: {str(self.run_dir)!r} is in use: held by {who}. Nothing was touched. "
+                                "Fix: wait for it to finish, or choose another output_dir.") from None
+            try:  # the file its holder removed before releasing it (`remove`) is no lock: open the one there now
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
         left = os.pread(fd, 512, 0).decode(errors="replace")  # a holder that ended without release(): killed
         self.taken_over = left or None
         os.ftruncate(fd, 0)
@@ -226,6 +234,14 @@ class RunLock:
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
         self.fd = fd
         return self
+
+    def remove(self) -> None:
+        """Delete the lock file, still holding it (a start waiting on it then sees it gone: `acquire`), then
+        release it."""
+        if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (self.run_dir / LOCK_FILE).unlink()
+        self.release()
 
     def release(self) -> None:
         if self.fd is not None:
@@ -332,14 +348,14 @@ def prepare_run(cfg) -> RunPlan:
     check_trackers(cfg)
     check_optimizer(cfg, device, weights, method)
     model_dir = None if cfg.model in TINY_PRESETS else resolve_model_ref(cfg.model, weights=False)
-    if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`)
-        check_model_config(cfg.model, cfg.model_config)
     tokenizer = model_tokenizer(model_dir or cfg.model, cfg.tokenizer)
     vocab = cfg.model_config.get("vocab_size")
-    if isinstance(vocab, int) and vocab < len(tokenizer):
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < len(tokenizer):
         raise UserError(f"model_config.vocab_size: {vocab} is below the tokenizer's {len(tokenizer)} tokens: the ids "
                         f"above it have no embedding. Fix: model_config.vocab_size={len(tokenizer)} or more, or drop "
                         "it (a tiny preset takes the tokenizer's).")
+    if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`); as the model is built
+        check_model_config(cfg.model, model_overrides(cfg, tokenizer))  # (a tiny preset: the tokenizer's vocabulary)
     if cfg.streaming:
         train_set = open_stream(cfg, tokenizer)
     else:

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from revffn import cli
 
@@ -46,7 +47,9 @@ def test_ctrl_c_while_the_command_imports_is_one_line():
     assert cheap.stdout.strip() == "False", cheap.stderr
     proc = subprocess.Popen([sys.executable, "-m", "revffn", "estimate", "--model", "tiny-qwen2-moe"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # (Python's start: tens of ms; importing torch and transformers: over a second)
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.monotonic() + 60
+    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:  # (inside `console`: importing torch)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err

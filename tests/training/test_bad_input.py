@@ -275,6 +275,16 @@ def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, ove
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("model,over", [
+    ("tiny-qwen2-moe", "model_config.pad_token_id=1000"),  # in the tokenizer's 2048 (the preset's own vocab: 512)
+    ("tiny-qwen3-moe", "model_config={num_attention_heads: 6, num_key_value_heads: 3}"),  # head_dim set: 64 % 6 is ok
+    ("tiny-olmoe", "model_config={num_key_value_heads: 4, attention_dropout: 0.5}"),
+])
+def test_model_config_checks_refuse_nothing_the_model_takes(tmp_path, capsys, model, over):
+    p = _cfg(tmp_path, model=model, model_config={"num_hidden_layers": 1})
+    assert cli.main(["train", str(p), over, "max_steps=1"]) == 0, capsys.readouterr().err
+
+
 def test_model_config_keeps_a_pretrained_models_weight_shapes(tmp_path, capsys):
     """Its depth may be cut; a width would not load (it was a traceback from transformers' load report)."""
     p = _cfg(tmp_path, model="builtin:base", model_config={"num_hidden_layers": 1})

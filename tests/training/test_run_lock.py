@@ -112,3 +112,28 @@ def test_between_restarts_the_supervisor_holds_the_run_directory(tmp_path):
     supervisor, outcome = probe.read_text().splitlines()
     assert f"held by pid {supervisor} on " in outcome, outcome
     assert [s for s, _ in _losses(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_held_by_the_start_that_waited_on_it(tmp_path, monkeypatch):
+    """A start that opened the lock file just before its holder removed it (a build that failed: `RunLock.remove`)
+    locks the file there now, not the removed one: two starts never both hold the directory."""
+    run_dir = tmp_path / "run"
+    holder = RunLock(run_dir).acquire()
+    real_open, opened = os.open, []
+
+    def open_then_holder_removes(path, *args):
+        fd = real_open(path, *args)
+        if not opened:  # the first open: the holder removes the file and releases it right after
+            opened.append(fd)
+            holder.remove()
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_holder_removes)
+    waiting = RunLock(run_dir).acquire()
+    monkeypatch.undo()
+    try:
+        assert os.fstat(waiting.fd).st_ino == os.stat(run_dir / LOCK_FILE).st_ino  # the file a third start opens
+        with pytest.raises(Exception, match="is in use: held by pid"):
+            RunLock(run_dir).acquire()
+    finally:
+        waiting.release()
