@@ -106,9 +106,9 @@ def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype,
                    hash_files: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the checkpoint to resume from or None, [(newer checkpoint, why it failed verification)]).
     `resume=true` takes the newest checkpoint that verifies, `resume=PATH` that one if it verifies;
-    either is refused when the config changes a key that changes the math. Under a process group the ranks
-    share the hashing (`data_shard`); `hash_files=False` checks manifests and presence only (torchrun's ranks
-    before their process group exists: `verify_resume` hashes once it does)."""
+    either is refused when the config changes a key that changes the math, or when it is past max_steps. Under a
+    process group the ranks share the hashing (`data_shard`); `hash_files=False` checks manifests and presence only
+    (torchrun's ranks before their process group exists: `verify_resume` hashes once it does)."""
     if cfg.resume is False:
         return None, []
     shard = data_shard()
@@ -138,6 +138,11 @@ def resolve_resume(cfg, run_dir: Path, weights_dtype: torch.dtype,
                             "Fix: resume=true for the newest checkpoint of the run that verifies, or restore this "
                             "one from a backup.")
     check_resume_config(cfg, ckpt, weights_dtype)
+    step = read_trainer_state(ckpt)["step"]
+    if hash_files and step > cfg.max_steps:  # (unhashed, under torchrun: the checkpoint the ranks verify may be older)
+        raise UserError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint to resume, {str(ckpt)!r} "
+                        f"(step {step}). Nothing was touched. Fix: max_steps above {step} to train on from it, or "
+                        f"resume=PATH a checkpoints/step-N with N <= {cfg.max_steps}.")
     return ckpt, rejected
 
 
@@ -404,12 +409,8 @@ def open_stream(cfg, tokenizer):
 
 def check_resume_target(cfg, run_dir: Path, resume_from: Path | None, distributed: str) -> None:
     check_output_dir(cfg, run_dir, resume_from)
-    if resume_from is not None:  # a damaged one raises here, before the run's directory is locked
-        step = read_trainer_state(resume_from)["step"]
-        if step > cfg.max_steps:
-            raise UserError(f"max_steps: {cfg.max_steps} is below the step of the checkpoint to resume, "
-                            f"{str(resume_from)!r} (step {step}). Nothing was touched. Fix: max_steps above {step} to "
-                            f"train on from it, or resume=PATH a checkpoints/step-N with N <= {cfg.max_steps}.")
+    if resume_from is not None:
+        read_trainer_state(resume_from)  # a damaged one raises here, before the run's directory is locked
     if distributed == "fsdp" and resume_from is not None and not is_sharded_checkpoint(resume_from):
         raise UserError(f"resume: {str(resume_from)!r} holds the whole model of a run without FSDP; distributed: fsdp "
                         "resumes the sharded checkpoints FSDP writes. Fix: resume it with distributed=ddp or none.")
