@@ -115,6 +115,17 @@ def _geometry_problem(ref: str, overrides: dict) -> str | None:
     if isinstance(heads, int) and heads and isinstance(hidden, int) and head_dim is None and hidden % heads:
         return (f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}. Fix: num_attention_heads "
                 "dividing hidden_size, or set head_dim.")
+    rotary = _get(config, "rope_parameters") is not None or _get(config, "rope_theta") is not None
+    width = None  # a head's
+    if isinstance(head_dim, int):
+        width = head_dim
+    elif isinstance(hidden, int) and isinstance(heads, int) and heads:
+        width = hidden // heads
+    if rotary and width and width % 2 and _get(config, "partial_rotary_factor") in (None, 1, 1.0):
+        return (f"the attention heads would be {width} wide (hidden_size={hidden} / num_attention_heads={heads}"
+                f"{'' if head_dim is None else f', head_dim={head_dim}'}): rotary embeddings rotate pairs of "
+                "coordinates, so a head's width must be even. Fix: a hidden_size and num_attention_heads whose "
+                "quotient is even (e.g. hidden_size=64, num_attention_heads=4).")
     experts = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if isinstance(n := _get(config, k), int)), None)
     top_k = _get(config, "num_experts_per_tok")

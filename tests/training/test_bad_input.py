@@ -261,12 +261,14 @@ def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
                                              "are. Fix: num_experts_per_tok between 1 and 8."),
     ("model_config.num_key_value_heads=3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ("model_config.attention_dropout=2.0", "attention_dropout=2.0 is not a probability. Fix:"),
+    ("model_config.hidden_size=36", "the attention heads would be 9 wide (hidden_size=36 / num_attention_heads=4): "
+                                    "rotary embeddings rotate pairs"),
     ("model_config.vocab_size=10", "model_config.vocab_size: 10 is below the tokenizer's"),
     # values transformers does not build with (a traceback from its modules)
     ("model_config.hidden_act=foo", "'hidden_act': 'foo'}: KeyError: 'foo'. Fix:"),
     ("model_config.decoder_sparse_step=0", "ZeroDivisionError"),
     ("model_config.pad_token_id=100000", "AssertionError: Padding_idx must be within num_embeddings. Fix:"),
-], ids=["misspelled", "type", "range", "bool", "colon", "top_k", "kv_heads", "dropout", "vocab", "act", "sparse_step", "pad"])
+], ids=["misspelled", "type", "range", "bool", "colon", "top_k", "kv_heads", "dropout", "odd_head", "vocab", "act", "sparse_step", "pad"])
 @pytest.mark.parametrize("command", ["train", "validate"])
 def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, over, needle, command):
     """A misspelled key used to be stored unread (the model built without it), a wrong type to end in a traceback."""
