@@ -125,8 +125,7 @@ def cmd_bench(args) -> int:
         return 0
     if not args.out:
         raise UserError("--out DIR is required (where bench.json, bench.md and bench.png go).")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out}: is a file. Fix: a directory for bench.json, bench.md and bench.png.")
+    check_out_dir(args.out, "bench.json, bench.md and bench.png")
     from revffn.methods import METHODS
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
@@ -149,6 +148,14 @@ def cmd_bench(args) -> int:
     return 1 if failed else 0
 
 
+def check_out_dir(out: str, holds: str) -> None:
+    """`--out` can be a directory: neither it nor a directory above it is a file (checked before any work)."""
+    blocker = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        what = "is a file" if blocker == Path(out) else f"cannot be a directory: {blocker} is a file"
+        raise UserError(f"--out {out}: {what}. Fix: a directory for {holds}.")
+
+
 def cmd_study(args) -> int:
     from revffn.reports.render.study import write_study
     from revffn.reports.study import plan_for, run_study
@@ -160,6 +167,7 @@ def cmd_study(args) -> int:
             raise UserError(f"--out {args.out}: no study.json there to render. Fix: give the --out DIR of a study.")
         written = write_study(json.loads((out / "study.json").read_text()), out, docs)
     else:
+        check_out_dir(args.out, "the study's runs, study.json and its page")
         if (out / "study.json").exists():
             raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
                             "delete it first.")

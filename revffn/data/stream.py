@@ -71,7 +71,7 @@ class TokenStream:
 
     def _examples(self) -> Iterator[dict]:
         """The normalised examples of this epoch from `self.examples` on."""
-        rows = iter(self._dataset())
+        rows = tables.read_rows(self._dataset(), self.ref, self.key)
         if self.shuffle_buffer:
             rows = buffer_shuffle(rows, self.shuffle_buffer, random.Random(self.seed * 1_000_003 + self.epoch))
         rows = itertools.islice(rows, self.examples, None)

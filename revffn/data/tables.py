@@ -64,6 +64,9 @@ def load_table(ref: str, key: str, streaming: bool = False):
     try:
         if ref.startswith(HF_PREFIX):
             name, config, split = _hf_args(ref)
+            if not name.strip("/"):
+                raise UserError(f"{key}: {ref!r} names no dataset. Fix: hf:NAME[:CONFIG][@SPLIT], e.g. "
+                                "hf:tatsu-lab/alpaca, or hf:DIR for a local directory of data files.")
             return datasets.load_dataset(name, config, split=split, streaming=streaming)
         saved = _saved_dir(ref)
         if saved is not None:
@@ -80,6 +83,22 @@ def load_table(ref: str, key: str, streaming: bool = False):
         raise UserError(_load_failure(ref, key, e)) from None
     finally:
         quiet.setLevel(level)
+
+
+def read_rows(table, ref: str, key: str) -> Iterator[dict]:
+    """The rows of a streamed table, as it reads them: a source that turns out unreadable part way (a CSV with an
+    unclosed quote, an empty file) raises the UserError `load_table` would have."""
+    import datasets
+
+    rows = iter(table)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+            raise UserError(_load_failure(ref, key, e)) from None
+        yield row
 
 
 def missing_file(ref: str, key: str) -> UserError:

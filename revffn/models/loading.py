@@ -240,8 +240,27 @@ def random_init(model: str, dtype: torch.dtype, seed: int, device: torch.device 
 def is_converted(model: str, key: str = "model") -> bool:
     """True for a directory (or Hub ID) holding a RevFFN-converted model (`revffn convert`, a revffn run's
     final/): its revffn.json says `format: revffn`."""
-    manifest = Path(resolve_model_ref(str(model), key, weights=False)).expanduser() / "revffn.json"
-    return manifest.is_file() and json.loads(manifest.read_text()).get("format") == "revffn"
+    return read_revffn_json(Path(resolve_model_ref(str(model), key, weights=False)).expanduser(), key).get(
+        "format") == "revffn"
+
+
+def read_revffn_json(root: Path, key: str = "model") -> dict:
+    """A model directory's `revffn.json` (how revffn wrote it), {} where there is none.
+
+    Raises:
+        UserError: naming `key`, when it is there but not a JSON object (damaged).
+    """
+    f = Path(root) / "revffn.json"
+    if not f.is_file():
+        return {}
+    try:
+        manifest = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = e
+    if not isinstance(manifest, dict):
+        raise UserError(f"{key}: {str(f)!r} is not the JSON object revffn writes ({one_line(str(manifest))[:100]}): "
+                        "the directory is damaged. Fix: copy the model directory again from where it was written.")
+    return manifest
 
 
 # absent from directories written before them
@@ -346,7 +365,10 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     if not (root / "config.json").is_file():
         raise UserError(f"{path!r} is not a model directory (no config.json). Fix: point at a run's final/ "
                         "directory or an HF save_pretrained directory.")
-    manifest = json.loads((root / "revffn.json").read_text()) if (root / "revffn.json").is_file() else {}
+    manifest = read_revffn_json(root)
+    if not any(root.glob("*.safetensors")):
+        raise UserError(f"{path!r} holds no *.safetensors weights. Fix: copy the model directory again from where "
+                        "it was written (a run's final/ holds model.safetensors).")
     if manifest.get("format") == "revffn":  # a revffn run's final/ or a `revffn convert` directory
         model = converted_skeleton(root, AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype))
         load_model(model, str(root / "model.safetensors"))
@@ -362,7 +384,7 @@ def converted_skeleton(root: Path, hf):
     weights not yet read: `load` reads them whole, sharded loading (`models.sharded`) each rank its rows."""
     from revffn.conversion.convert import STREAM_DTYPES, convert
 
-    manifest = json.loads((Path(root) / "revffn.json").read_text())
+    manifest = read_revffn_json(root)
     stream = STREAM_DTYPES.get(manifest.get("stream_dtype", "float32"), torch.bfloat16)
     return convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
                    adapter_skip=bool(converted_option(str(root), "adapter_skip")),

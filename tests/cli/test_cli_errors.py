@@ -24,6 +24,15 @@ def test_bench_out_that_is_a_file_exits_2_before_running(tmp_path, capsys):
     assert f"--out {out}: is a file. Fix:" in capsys.readouterr().err and out.read_text() == "mine"
 
 
+def test_study_out_that_is_a_file_exits_2_before_running(tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    assert cli.main(["study", "--out", str(out), "--quick"]) == 2  # (it was a FileExistsError from mkdir)
+    assert f"--out {out}: is a file. Fix:" in capsys.readouterr().err and out.read_text() == "mine"
+    assert cli.main(["bench", "--model", "tiny-qwen2-moe", "--methods", "full", "--out", str(out / "sub")]) == 2
+    assert f"cannot be a directory: {out} is a file. Fix:" in capsys.readouterr().err
+
+
 def test_a_closed_stdout_ends_without_a_traceback():
     proc = subprocess.Popen([sys.executable, "-m", "revffn", "estimate", "--model", "qwen1.5-moe-a2.7b", "--method",
                              "revffn", "--gpu-mem", "80GB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

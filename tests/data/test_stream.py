@@ -92,6 +92,16 @@ def test_a_bad_row_deep_in_the_stream_names_the_key_and_the_row(tmp_path, tok):
         stream(str(path), tok, shuffle_buffer=0).next_items(6)
 
 
+@pytest.mark.parametrize("text,says", [("instruction,output\n\"a,b\n", "EOF inside string"),
+                                       ("", "No columns to parse from file")])
+def test_a_csv_found_unreadable_as_it_streams_is_one_error(tmp_path, tok, text, says):
+    """An unclosed quote or an empty file shows only once the stream reads it (pandas raised from inside `datasets`)."""
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(UserError, match=f"data: cannot load '{path}': .*{says}.*Fix: give a valid .csv file"):
+        stream(str(path), tok, shuffle_buffer=0).next_items(1)
+
+
 def test_a_streamed_run_trains_and_resumes_at_the_exact_example(parquet, tmp_path):
     args = [*TINY, f"data={parquet}", "streaming=true", "packing=true", "max_steps=6", "save_steps=3"]
     assert main(["train", *args, f"output_dir={tmp_path / 'ref'}"]) == 0

@@ -115,6 +115,12 @@ def test_missing_files_name_every_source():
         assert msg.startswith(f"data: file '{name}' not found. Fix: ") and "hf:NAME[:CONFIG][@SPLIT]" in msg
 
 
+@pytest.mark.parametrize("ref", ["hf:", "hf:@train", "hf::config"])
+def test_an_hf_reference_without_a_name(ref):
+    assert _error(ref) == (f"data: {ref!r} names no dataset. Fix: hf:NAME[:CONFIG][@SPLIT], e.g. hf:tatsu-lab/alpaca, "
+                           "or hf:DIR for a local directory of data files.")
+
+
 def test_hf_columns_of_no_format(tmp_path, capsys):
     root = tmp_path / "qa"
     root.mkdir()

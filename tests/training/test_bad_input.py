@@ -268,7 +268,8 @@ def test_resume_when_no_checkpoint_verifies(capsys, trained_run, tmp_path):
     ("model_config.hidden_act=foo", "'hidden_act': 'foo'}: KeyError: 'foo'. Fix:"),
     ("model_config.decoder_sparse_step=0", "ZeroDivisionError"),
     ("model_config.pad_token_id=100000", "AssertionError: Padding_idx must be within num_embeddings. Fix:"),
-], ids=["misspelled", "type", "range", "bool", "colon", "top_k", "kv_heads", "dropout", "odd_head", "vocab", "act", "sparse_step", "pad"])
+], ids=["misspelled", "type", "range", "bool", "colon", "top_k", "kv_heads", "dropout", "odd_head", "vocab", "act",
+         "sparse_step", "pad"])
 @pytest.mark.parametrize("command", ["train", "validate"])
 def test_model_config_is_checked_against_the_models_config(tmp_path, capsys, over, needle, command):
     """A misspelled key used to be stored unread (the model built without it), a wrong type to end in a traceback."""

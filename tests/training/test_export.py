@@ -304,3 +304,20 @@ def test_a_negative_heal_warmup_from_python_is_refused_before_anything_loads(tmp
     with pytest.raises(UserError, match="--heal-warmup-steps -1: outside 0 to --heal-steps 5"):
         validate(spec)
     assert not (tmp_path / "rev").exists()
+
+
+def test_a_damaged_model_directory_is_one_error_in_eval_and_generate(tmp_path, capsys):
+    """No weights, or a revffn.json that is not JSON: exit 2 naming it (both were a traceback)."""
+    out = tmp_path / "rev"
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    (out / "revffn.json").write_text("{not json")
+    for argv in (["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"],
+                 ["generate", str(out), "--prompt", "hi"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "revffn.json' is not the JSON object revffn writes" in err and "Fix:" in err and "Traceback" not in err
+    (out / "revffn.json").unlink()
+    (out / "model.safetensors").unlink()
+    assert main(["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"]) == 2
+    assert f"{str(out)!r} holds no *.safetensors weights. Fix:" in capsys.readouterr().err
