@@ -88,11 +88,18 @@ def _heal_lr(s: str) -> float | None:
 
 def cmd_check(args) -> int:
     from revffn.conversion.convert import AUTO, STREAM_DTYPES
-    from revffn.models.loading import model_kind, parse_dtype
+    from revffn.models.loading import config_overrides, is_converted, model_kind, parse_dtype
+    from revffn.models.model_config import geometry_problem
     from revffn.reports.check import format_report, run_check
 
     model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
     parse_dtype(args.dtype, "--dtype")
+    if is_converted(args.model, "--model"):
+        raise UserError(f"--model: {args.model!r} is converted to RevFFN already; check converts a base model and "
+                        "compares the two. Fix: give the base model it was converted from.")
+    if problem := geometry_problem(args.model, config_overrides(args.model, args.layers, args.hidden,
+                                                                shipped_vocab=False)):
+        raise UserError(f"--hidden {args.hidden}: {problem} (Here: another --hidden, e.g. 64.)")
     if args.device == "cuda":
         import torch
 

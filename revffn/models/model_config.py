@@ -70,6 +70,13 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
         _check_weight_shapes(model, ref, overrides, key)
 
 
+def geometry_problem(model: str, overrides: dict) -> str | None:
+    """What the overrides give `model` that its first step would fail on (`_geometry_problem`), or None: for the
+    commands that build it at another size themselves (`revffn check --hidden`)."""
+    ref = model if model_kind(model) in ("tiny", "config") else resolve_model_ref(model, weights=False)
+    return _new_problem(ref, overrides, _geometry_problem)
+
+
 # what changes the shape of a weight (a pretrained model's would not load), as the message names them
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
               "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
