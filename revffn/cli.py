@@ -292,7 +292,7 @@ def cmd_upcycle(args) -> int:
 
     check_model_ref(args.model, "MODEL")
     out = Path(args.out)
-    check_replaceable(out, args.overwrite)
+    check_replaceable(out, args.overwrite, source=args.model)
     src = Path(resolve_model_ref(args.model, "MODEL"))
     if not src.is_dir():  # a tiny or config preset: built in memory, random weights, no files to upcycle
         raise UserError(f"MODEL: {args.model!r} names no model directory (a tiny or config preset is built in "

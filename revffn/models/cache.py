@@ -102,10 +102,15 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
-def check_replaceable(out: Path, overwrite: bool, flag: str = "--out") -> None:
+def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: str | None = None) -> None:
     """`out` may be written by `staged_dir`: absent or empty, or (with `overwrite`) a model directory revffn wrote
-    (its revffn.json). Anything else is refused, naming what would have been deleted."""
+    (its revffn.json), not the model directory `source` it is written from. Anything else is refused, naming what
+    would have been deleted."""
     out = Path(out)
+    if source is not None and out.is_dir() and Path(source).expanduser().is_dir() and \
+            out.resolve() == Path(source).expanduser().resolve():
+        raise UserError(f"{flag}: {str(out)!r} is MODEL itself: writing there would replace the model it is made "
+                        "from. Nothing was written. Fix: a new directory for the result.")
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag}: {str(out)!r} is a file. Nothing was written. Fix: give a directory path.")
     entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []

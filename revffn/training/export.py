@@ -131,7 +131,7 @@ def validate(spec: ConvertSpec):
     if spec.heal_hidden_coef < 0:
         raise UserError(f"--heal-hidden-coef: {spec.heal_hidden_coef} is negative. Fix: give 0 (off) or a "
                         "positive weight.")
-    check_replaceable(Path(spec.out), spec.overwrite)
+    check_replaceable(Path(spec.out), spec.overwrite, source=spec.model)
     tokenizer = model_tokenizer(spec.model)  # (a Hub ID: its tokenizer files only, not the weights yet)
     if spec.calibration_data != SELF:
         file_rows(spec.calibration_data, tokenizer, spec.calibration_tokens, "--calibration-data",

@@ -321,3 +321,15 @@ def test_a_damaged_model_directory_is_one_error_in_eval_and_generate(tmp_path, c
     (out / "model.safetensors").unlink()
     assert main(["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"]) == 2
     assert f"{str(out)!r} holds no *.safetensors weights. Fix:" in capsys.readouterr().err
+
+
+def test_convert_over_its_own_model_directory_is_refused(tmp_path, capsys):
+    """--out MODEL --overwrite used to replace the model being converted with its conversion."""
+    full = tmp_path / "run"
+    assert main(["train", f"output_dir={full}", *TRAIN[1:], "method=full"]) == 0
+    before = {p.name: p.read_bytes() for p in (full / "final").iterdir() if p.is_file()}
+    capsys.readouterr()
+    for argv in ([*CONVERT, str(full / "final")], ["upcycle", str(full / "final"), "--experts", "2", "--top-k", "1"]):
+        assert main([*argv, "--out", str(full / "final"), "--overwrite"]) == 2
+        assert "is MODEL itself" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (full / "final").iterdir() if p.is_file()} == before
