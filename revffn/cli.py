@@ -163,12 +163,24 @@ def check_out_dir(out: str, holds: str) -> None:
         raise UserError(f"--out {out}: {what}. Fix: a directory for {holds}.")
 
 
+def check_out_file(path: str, flag: str) -> None:
+    """A file to write can be written: it is not a directory, and no directory above it is a file (checked before
+    any work)."""
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path}: is a directory. Fix: a file path, e.g. {Path(path) / 'out.md'}.")
+    blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"{flag} {path}: {blocker} is a file, not a directory. Fix: another path.")
+
+
 def cmd_study(args) -> int:
     from revffn.reports.render.study import write_study
     from revffn.reports.study import plan_for, run_study
 
     out = Path(args.out)
     docs = Path(args.docs) if args.docs else None
+    if docs is not None:
+        check_out_file(args.docs, "--docs")
     if args.render:
         if not (out / "study.json").is_file():
             raise UserError(f"--out {args.out}: no study.json there to render. Fix: give the --out DIR of a study.")
@@ -209,6 +221,10 @@ def cmd_archs(args) -> int:
     if unknown:
         raise UserError(f"--types: {', '.join(unknown)} not among the causal-LM model types of this transformers "
                         f"(MoE or dense). Fix: choose from {', '.join(known)}.")
+
+    for flag, path in (("--out", args.out), ("--json-out", args.json_out)):
+        if path:
+            check_out_file(path, flag)
 
     from revffn.progress import progress
 

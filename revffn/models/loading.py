@@ -164,7 +164,12 @@ def model_kind(model: str, key: str = "model",
 def check_model_ref(model: str, key: str = "model") -> None:
     """Raise a UserError unless `model` is a model that can be trained (tiny preset, shipped model, local
     directory or Hub ID; a config-only geometry has no weights). Never touches the network."""
-    model_kind(model, key, allow=("tiny", "shipped", "dir", "hub"))
+    kind = model_kind(model, key, allow=("tiny", "shipped", "dir", "hub"))
+    path = Path(model).expanduser()
+    if kind == "dir" and path.is_dir() and not any(path.glob("*.safetensors")):
+        raise UserError(f"{key}: {model!r} holds no *.safetensors weights (revffn loads safetensors only). Fix: save "
+                        "the model with save_pretrained(DIR) (safetensors by default), or copy its *.safetensors "
+                        "files there.")
 
 
 def hf_config(model: str, **overrides):

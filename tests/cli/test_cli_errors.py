@@ -73,3 +73,21 @@ def test_check_refuses_a_width_the_model_cannot_run_and_a_converted_model(tmp_pa
     capsys.readouterr()
     assert cli.main(["check", "--model", str(out), "--device", "cpu"]) == 2
     assert "is converted to RevFFN already" in capsys.readouterr().err
+
+
+def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(tmp_path, capsys):
+    """Each was a traceback: from_pretrained's OSError, and write_text on a directory (archs --out, study --docs)."""
+    from revffn.models.presets import tiny_model
+
+    dense = tmp_path / "dense"
+    tiny_model("tiny-qwen2-moe", num_hidden_layers=1).save_pretrained(dense)
+    for f in dense.glob("*.safetensors"):
+        f.unlink()
+    assert cli.main(["validate", f"model={dense}", "data=builtin:reversal_train", f"output_dir={tmp_path / 'r'}"]) == 2
+    assert f"model: {str(dense)!r} holds no *.safetensors weights" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    assert cli.main(["archs", "--types", "qwen2_moe", "--out", str(taken)]) == 2
+    assert f"--out {taken}: is a directory. Fix:" in capsys.readouterr().err
+    assert cli.main(["study", "--out", str(tmp_path / "s"), "--quick", "--docs", str(taken)]) == 2
+    assert f"--docs {taken}: is a directory. Fix:" in capsys.readouterr().err and not (tmp_path / "s").exists()
