@@ -347,16 +347,22 @@ def cmd_train(args) -> int:
 
 def cmd_validate(args) -> int:
     from revffn.training.config import load_config
+    from revffn.training.parallel import STRATEGIES, check_strategy
     from revffn.training.setup import check_on_skeleton, prepare_run
 
     cfg = load_config(args.config, args.overrides)
+    launch = ""  # a config torchrun launches, checked before it is: what its strategy refuses, then the rest as one
+    if cfg.distributed in STRATEGIES and "RANK" not in os.environ:  # process runs it
+        check_strategy(cfg, cfg.distributed)
+        launch = f"; distributed={cfg.distributed}: its checks passed, the rest checked as one process (run: torchrun)"
+        cfg = cfg.replace(distributed="none")
     plan = prepare_run(cfg)
     unchecked = check_on_skeleton(cfg, plan)
     s = plan.train_set.stats
     data = ("streamed (its first example reads)" if cfg.streaming else f"{s['n_examples']} examples, "
             f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens")
     print(f"config OK: method={cfg.method} model={cfg.model} device={plan.device}; data: {data}"
-          + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else "")
+          + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else "") + launch
           + ("; the method prepared on the model's modules" if unchecked is None else
              f"; the method could not be prepared without weights ({unchecked}): training checks it"))
     return 0

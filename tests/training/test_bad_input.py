@@ -366,3 +366,15 @@ def test_model_config_takes_what_transformers_takes(tmp_path, capsys):
     assert cli.main(["train", str(p), "model_config.rms_norm_eps=1e-5"]) == 0
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert config["rms_norm_eps"] == 1e-5 and config["num_hidden_layers"] == 1
+
+
+def test_validate_checks_a_config_torchrun_launches(tmp_path, capsys, monkeypatch):
+    """Before torchrun starts it: its strategy's refusals, then the rest as one process (it used to refuse any
+    distributed config for lack of RANK/WORLD_SIZE)."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    p = _cfg(tmp_path, distributed="fsdp", model_config={"num_hidden_layers": 1})
+    assert cli.main(["validate", str(p)]) == 0
+    assert "distributed=fsdp: its checks passed, the rest checked as one process" in capsys.readouterr().out
+    _fails(capsys, ["validate", str(p), "optimizer=adamw8bit"], "distributed: fsdp shards the optimizer state")
+    assert not (tmp_path / "run").exists()
