@@ -257,6 +257,14 @@ def read_revffn_json(root: Path, key: str = "model") -> dict:
     """
     f = Path(root) / "revffn.json"
     if not f.is_file():
+        try:
+            architectures = json.loads((Path(root) / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            architectures = []
+        if "RevFFNModelForCausalLM" in architectures:  # read as a plain model, its weights would load as none
+            raise UserError(f"{key}: {str(root)!r} holds a RevFFN-converted model (its config.json) but no "
+                            "revffn.json, which says how its blocks are built: the directory is damaged. Fix: copy "
+                            "the model directory again from where it was written.")
         return {}
     try:
         manifest = json.loads(f.read_text())

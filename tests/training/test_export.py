@@ -307,9 +307,11 @@ def test_a_negative_heal_warmup_from_python_is_refused_before_anything_loads(tmp
 
 
 def test_a_damaged_model_directory_is_one_error_in_eval_and_generate(tmp_path, capsys):
-    """No weights, or a revffn.json that is not JSON: exit 2 naming it (both were a traceback)."""
+    """No weights, a revffn.json that is not JSON, or none: exit 2 naming it (tracebacks; without revffn.json a
+    random model's loss, exit 0)."""
     out = tmp_path / "rev"
     assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    manifest = (out / "revffn.json").read_text()
     (out / "revffn.json").write_text("{not json")
     for argv in (["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"],
                  ["generate", str(out), "--prompt", "hi"]):
@@ -317,7 +319,10 @@ def test_a_damaged_model_directory_is_one_error_in_eval_and_generate(tmp_path, c
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "revffn.json' is not the JSON object revffn writes" in err and "Fix:" in err and "Traceback" not in err
-    (out / "revffn.json").unlink()
+    (out / "revffn.json").unlink()  # read as a plain model, it loaded no weight: a random model's loss, exit 0
+    assert main(["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"]) == 2
+    assert "holds a RevFFN-converted model (its config.json) but no revffn.json" in capsys.readouterr().err
+    (out / "revffn.json").write_text(manifest)
     (out / "model.safetensors").unlink()
     assert main(["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"]) == 2
     assert f"{str(out)!r} holds no *.safetensors weights. Fix:" in capsys.readouterr().err
