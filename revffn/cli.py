@@ -703,19 +703,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`| head`): as Python's docs advise, no traceback, and
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
-    except OSError as e:
-        if (why := disk_fault(e)) is None:
-            traceback.print_exc()
-            print(f"revffn {args.command}: failed (see the traceback above)", file=sys.stderr)
-            return 1
-        print(f"revffn {args.command}: error: a write failed: {why} ({one_line(e)}). Fix: free space, or write the "
-              "output elsewhere.", file=sys.stderr)
-        try:
-            sys.stdout.flush()  # what was printed before reaches a stdout that still takes it
-        except OSError:  # stdout is the full one: no second error at exit's flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return DiskFull.exit_code
-    except Exception:
+    except Exception as e:
+        if (why := disk_fault(e)) is not None:  # (an OSError, or a library's own: safetensors' "File too large")
+            print(f"revffn {args.command}: error: a write failed: {why} ({one_line(e)}). Fix: free space, or write "
+                  "the output elsewhere.", file=sys.stderr)
+            try:
+                sys.stdout.flush()  # what was printed before reaches a stdout that still takes it
+            except OSError:  # stdout is the full one: no second error at exit's flush
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return DiskFull.exit_code
         traceback.print_exc()
         print(f"revffn {args.command}: failed (see the traceback above)", file=sys.stderr)
         return 1

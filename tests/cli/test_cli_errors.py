@@ -91,3 +91,17 @@ def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(
     assert f"--out {taken}: is a directory. Fix:" in capsys.readouterr().err
     assert cli.main(["study", "--out", str(tmp_path / "s"), "--quick", "--docs", str(taken)]) == 2
     assert f"--docs {taken}: is a directory. Fix:" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
+def test_a_file_size_limit_hit_inside_safetensors_is_one_line(tmp_path):
+    """safetensors reports it as its own error (not an OSError): it was a traceback."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300 * 1024, 300 * 1024))
+
+    proc = subprocess.run([sys.executable, "-m", "revffn", "convert", "tiny-qwen2-moe", "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert proc.returncode == 1 and "a write failed: file too large for the file-size limit" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "c").exists()
