@@ -11,6 +11,7 @@ import copy
 import functools
 import math
 import operator
+import os
 import re
 import reprlib
 from collections.abc import Iterator, Mapping
@@ -58,8 +59,10 @@ _E_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 re
 
 def coerce(value, key: Key):
     """Accept what YAML users write: ints for floats, '1e-4' strings for floats (in a mapping's values too, e.g.
-    model_config's), a list for a `multiple` key."""
+    model_config's), a list for a `multiple` key, `~/` in a path (the shell expands it on the command line only)."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if key.path and isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
     if dict in types and isinstance(value, dict):
         return {k: float(v) if isinstance(v, str) and _E_FLOAT.fullmatch(v.strip()) else v for k, v in value.items()}
     if key.multiple and isinstance(value, list) and all(isinstance(v, str) for v in value):

@@ -61,3 +61,13 @@ def test_the_quickstart_evaluates_its_own_task_only():
     assert load_config(None, ["data=builtin:reversal_train"]).eval_data is None
     both = load_config(None, ["data=builtin:reversal_train", "eval_data=builtin:reversal_test"])
     assert both.eval_data == "builtin:reversal_test"
+
+
+def test_a_path_from_home_in_a_yaml_file_is_expanded(tmp_path, monkeypatch):
+    """The shell expands `output_dir=~/runs/x` on the command line; YAML kept the `~`, a directory named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model: tiny-qwen2-moe\ndata: builtin:reversal_train\nmax_steps: 1\noutput_dir: ~/runs/x\n"
+                 "resume: ~/runs/x/c\n")
+    cfg = load_config(str(p))
+    assert cfg.output_dir == str(tmp_path / "runs" / "x") and cfg.resume == str(tmp_path / "runs" / "x" / "c")
