@@ -31,26 +31,35 @@ from revffn.errors import DiskFull, UserError, disk_fault, one_line
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
-def _positive(s: str) -> int:
-    v = int(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+class _Parser(argparse.ArgumentParser):
+    """argparse with revffn's errors: one line naming the flag and the fix, exit 2 (not the usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}. Fix: `{self.prog} --help` lists the flags and their values.\n")
+
+
+def _int(s: str, says: str, low: int) -> int:
+    """An integer of at least `low`; `says` what it must be."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {says}, got {s!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be {says}, got {s}")
     return v
+
+
+def _positive(s: str) -> int:
+    return _int(s, "a positive integer", 1)
 
 
 def _sequence_length(s: str) -> int:
     """A max_seq_length: at least 2 tokens (one to predict from, one to predict)."""
-    v = int(s)
-    if v < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 tokens, got {s} (e.g. 512)")
-    return v
+    return _int(s, "at least 2 tokens (e.g. 512)", 2)
 
 
 def _nonnegative(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {s}")
-    return v
+    return _int(s, "0 or more", 0)
 
 
 def _bounded_float(s: str, low: float, inclusive: bool, says: str) -> float:
@@ -430,7 +439,7 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="revffn", description=__doc__.splitlines()[0])
+    p = _Parser(prog="revffn", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="environment check: versions, devices, memory probe, bf16, a tiny reversible "
                        "parity run, disk at --output-dir (exit 1 when one fails)")

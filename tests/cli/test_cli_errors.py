@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from revffn import cli
 
 
@@ -105,3 +107,19 @@ def test_a_file_size_limit_hit_inside_safetensors_is_one_line(tmp_path):
     assert proc.returncode == 1 and "a write failed: file too large for the file-size limit" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["eval", "m", "--data", "d", "--limit", "abc"], "argument --limit: must be 0 or more, got 'abc'"),
+    (["convert", "m", "--out", "o", "--buffer-bits", "abc"], "argument --buffer-bits: must be a positive integer"),
+    (["generate", "m"], "the following arguments are required: --prompt"),
+    (["estimate", "--model", "m", "--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    (["eval", "m", "--data", "d", "--match", "fuzzy"], "argument --match: invalid choice: 'fuzzy'"),
+])
+def test_a_flag_the_parser_refuses_is_one_line_with_its_fix(capsys, argv, says):
+    """argparse's own errors: the usage block and no fix before; an internal name for a non-number (`_positive`)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith(f"revffn {argv[0]}: error: {says}") and f"Fix: `revffn {argv[0]} --help`" in err, err
