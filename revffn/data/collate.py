@@ -84,6 +84,10 @@ def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packi
             n_dropped += 1
             continue
         items.append((ids, labels))
+    if not items and not n_truncated:
+        raise UserError(f"{key}: no trainable example: none of the {len(examples)} examples has a token to train on "
+                        "(its response, or its text, is empty). Fix: give each example a non-empty output, "
+                        "assistant turn, completion or text.")
     if not items:
         raise UserError(f"{key}: no trainable example left: all {len(examples)} examples lost their response to "
                         f"truncation at max_seq_length={max_seq_length} ({n_truncated} truncated, {n_dropped} "

@@ -57,7 +57,7 @@ def _resolve(path: str, key: str) -> tuple[Path, str]:
             name = RENAMED[name]
         if name not in builtin_names():
             raise UserError(f"{key}: unknown builtin dataset {path!r}.{closest(name, builtin_names())} "
-                            f"Available: {', '.join('builtin:' + n for n in builtin_names())}.")
+                            f"Fix: one of {', '.join('builtin:' + n for n in builtin_names())}.")
         return BUILTIN_DIR / f"{name}.jsonl", path
     file = Path(path).expanduser()
     if not file.is_file():
@@ -128,7 +128,8 @@ def _message_list(value: object, field: str, where: str, role_key: str, content_
     """Validate a list of turn objects and map them to {role, content}."""
     if not isinstance(value, list) or not value:
         raise UserError(f"{where}: field {field!r} must be a non-empty list of {{{role_key}, {content_key}}} objects, "
-                        f"got {json.dumps(value)[:60]}.")
+                        f"got {json.dumps(value)[:60]}. Fix: e.g. [{{\"{role_key}\": \"user\", \"{content_key}\": "
+                        "\"...\"}, ...].")
     out = []
     for i, turn in enumerate(value):
         at = f"{where}: {field}[{i}]"

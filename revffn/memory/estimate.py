@@ -303,8 +303,8 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     keys = {**COMMON_OPTIONS, **method.estimate_keys()}
     unknown = sorted(set(given) - set(keys))
     if unknown:
-        raise UserError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}. Allowed: "
-                        f"{', '.join(sorted(keys))}.")
+        raise UserError(f"--option: unknown option(s) {', '.join(map(repr, unknown))} for method {method.name!r}. "
+                        f"Fix: one of {', '.join(sorted(keys))}.")
     given = {k: coerce(v, keys[k]) for k, v in given.items()}  # `--option distill_coef=1`: an int for a float
     problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
     if problems:

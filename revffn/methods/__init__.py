@@ -38,7 +38,7 @@ def method_class(name: str, module: str | None = None, key: str = "method") -> t
     if module and name not in METHODS:
         importlib.import_module(module)
     if name not in METHODS:
-        raise UserError(f"{key}: unknown method {name!r}.{closest(name, METHODS)} Available: {', '.join(METHODS)}.")
+        raise UserError(f"{key}: unknown method {name!r}.{closest(name, METHODS)} Fix: one of {', '.join(METHODS)}.")
     return METHODS[name]
 
 

@@ -452,14 +452,14 @@ def parse_sweep(text: str) -> tuple[str, list[int]]:
     """'layers=4,8,16' -> ('layers', [4, 8, 16]); UserError otherwise."""
     var, _, vals = text.partition("=")
     if var not in SWEEP_VARS:
-        raise UserError(f"--sweep {text!r}: unknown variable {var!r}.{closest(var, SWEEP_VARS)} Sweepable: "
+        raise UserError(f"--sweep {text!r}: unknown variable {var!r}.{closest(var, SWEEP_VARS)} Fix: one of "
                         f"{', '.join(SWEEP_VARS)} (e.g. --sweep layers=4,8,16,32).")
     try:
         values = [int(v) for v in vals.split(",") if v.strip()]
     except ValueError:
         values = []
     if not values or any(v <= 0 for v in values):
-        raise UserError(f"--sweep {text!r}: give positive integers, e.g. --sweep {var}=4,8,16.")
+        raise UserError(f"--sweep {text!r}: the values must be positive integers. Fix: e.g. --sweep {var}=4,8,16.")
     return var, values
 
 

@@ -352,7 +352,9 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             continue
         if k in section_schemas:
             if not isinstance(v, dict):
-                problems.append(f"{where(k)}{k}: must be a mapping of method options, got {shown(v)}.")
+                problems.append(f"{where(k)}{k}: must be a mapping of method options, got {shown(v)}. Fix: e.g. "
+                                f"`{k}: {{{next(iter(section_schemas[k]))}: ...}}`, one of its keys "
+                                f"{', '.join(section_schemas[k])}.")
                 continue
             sec = {}
             for sk, sv in v.items():
@@ -386,7 +388,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
     method = values.get("method")
     if isinstance(method, str) and method not in METHODS:
         problems.append(f"{where('method')}method: unknown method {shown(method)}.{closest(method, METHODS)} "
-                        f"Available: {', '.join(METHODS)}.")
+                        f"Fix: one of {', '.join(METHODS)}.")
     for name, schema in section_schemas.items():
         sections.setdefault(name, {sk: key.default for sk, key in schema.items()})
     if problems:

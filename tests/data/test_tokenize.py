@@ -115,3 +115,10 @@ def test_collate_pads_right(tok):
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (width - n)
         assert (batch["input_ids"][row, n:] == tok.pad_token_id).all() and (batch["labels"][row, n:] == -100).all()
     assert len({len(ids) for ids, _ in items}) > 1  # the batch really needed padding
+
+
+def test_examples_with_nothing_to_train_on_are_not_blamed_on_truncation(tok):
+    examples = [normalise({"text": ""}, "x"), normalise({"text": ""}, "y")]
+    with pytest.raises(UserError, match=r"^data: no trainable example: none of the 2 examples has a token to train "
+                                        r"on \(its response, or its text, is empty\)\. Fix: give each example"):
+        tokenize_dataset(examples, tok, 512)

@@ -57,7 +57,7 @@ def test_revffn_estimate_method_toy(toy, capsys):
     assert est["trainable_params"] == full["trainable_params"] - counts["embed"]
     assert est["activations"] < full["activations"] and est["total"] < full["total"]
     assert cli.main([*argv, "--option", "r=4"]) == 2  # its estimate_keys() (none) are what it accepts
-    allowed = "Allowed: attn_implementation, loss, offload, optimizer, optimizer_in_backward, padded."
+    allowed = "Fix: one of attn_implementation, loss, offload, optimizer, optimizer_in_backward, padded."
     assert allowed in capsys.readouterr().err
 
 
