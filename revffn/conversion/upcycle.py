@@ -56,7 +56,7 @@ def check_upcycle(config, experts: int, top_k: int, arch: str, key: str = "model
     if arch not in TARGETS:
         raise UserError(f"--arch: unknown target {arch!r}. Fix: --arch mixtral or --arch qwen2_moe.")
     if has_moe_keys(config.to_dict()):
-        raise UserError(f"{key}: it is a {mt} model, a Mixture-of-Experts already; upcycling turns a dense model into "
+        raise UserError(f"{key}: it is a {mt} model, already a Mixture-of-Experts; upcycling turns a dense model into "
                         "an MoE. Fix: fine-tune it directly (revffn train model=...), or upcycle its dense original.")
     if mt not in SOURCES:
         raise UserError(f"{key}: upcycling reads dense {', '.join(SOURCES)} models; this one is {mt!r}. Fix: give a "
