@@ -553,10 +553,16 @@ def parse_size(text: str) -> int:
     """Bytes in "80GB", "80 GiB", "512mib" (GB = 10^9, GiB = 2^30; case-insensitive)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
     unit = match.group(2).lower() if match else ""
+    if unit in ("k", "m", "g", "t"):  # nvidia-smi's GiB, or a vendor's GB: 7 % apart at 80
+        raise UserError(f"--gpu-mem {text!r}: {unit.upper()} alone is ambiguous. Fix: {match.group(1)}{unit.upper()}B "
+                        f"(10^3 steps) or {match.group(1)}{unit.upper()}iB (2^10 steps, as nvidia-smi counts).")
     if not match or unit not in _UNITS:
         raise UserError(f"--gpu-mem {text!r} is not a size. Fix: give a number and a unit, e.g. 80GB, 80GiB, "
                         f"24000MiB (units: GB, GiB, MB, MiB, TB, TiB).")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise UserError(f"--gpu-mem {text!r}: no memory to fit in. Fix: the GPU's memory, e.g. 80GB.")
+    return size
 
 
 def fits(total_bytes: int, gpu_mem: str) -> bool:

@@ -161,6 +161,10 @@ def test_parse_size_and_fits():
     for bad in ("80", "lots", "80 GX", "", "GB"):
         with pytest.raises(UserError, match="--gpu-mem"):
             parse_size(bad)
+    with pytest.raises(UserError, match="G alone is ambiguous. Fix: 80GB .* or 80GiB"):
+        parse_size("80G")
+    with pytest.raises(UserError, match="no memory to fit in"):
+        parse_size("0GB")  # (it was accepted: nothing fits)
     assert fits(79 * 10**9, "80GB") and not fits(81 * 10**9, "80GB")
 
 
