@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -289,3 +291,15 @@ def test_bad_nproc_or_strategy_exit_2_with_a_fix(tmp_path, argv, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error:" in err and "Fix:" in err, err
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_bench_json_the_disk_cannot_take_leaves_the_previous_one(tmp_path):
+    """bench.json is written whole or not at all: under a file-size limit it used to be cut at the limit."""
+    (tmp_path / "bench.json").write_text('{"previous": true}\n')
+    code = ("import resource, sys; from pathlib import Path; from revffn.reports.render.bench import write; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)); "
+            f"write({{'rows': ['x' * 4096]}}, Path({str(tmp_path)!r}), 'bench')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-1000:]
+    assert (tmp_path / "bench.json").read_text() == '{"previous": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -397,7 +398,12 @@ def write(data: dict, out_dir: Path, kind: str) -> list[str]:
     """Write `{kind}.json` and render it; the files written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{kind}.json").write_text(json.dumps(data, indent=2) + "\n")
+    tmp = out_dir / f".{kind}.json.tmp"
+    try:  # whole or not at all: a full disk leaves the previous file (or none), not a cut one
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, out_dir / f"{kind}.json")
+    finally:
+        tmp.unlink(missing_ok=True)
     return [f"{kind}.json", *render(data, out_dir, kind)]
 
 
