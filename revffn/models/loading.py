@@ -166,7 +166,7 @@ def check_model_ref(model: str, key: str = "model") -> None:
     directory or Hub ID; a config-only geometry has no weights). Never touches the network."""
     kind = model_kind(model, key, allow=("tiny", "shipped", "dir", "hub"))
     path = Path(model).expanduser()
-    if kind == "dir" and path.is_dir() and not any(path.glob("*.safetensors")):
+    if kind == "dir" and path.is_dir() and gguf_file(model) is None and not any(path.glob("*.safetensors")):
         raise UserError(f"{key}: {model!r} holds no *.safetensors weights (revffn loads safetensors only). Fix: save "
                         "the model with save_pretrained(DIR) (safetensors by default), or copy its *.safetensors "
                         "files there.")

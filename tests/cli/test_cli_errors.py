@@ -79,6 +79,7 @@ def test_check_refuses_a_width_the_model_cannot_run_and_a_converted_model(tmp_pa
 
 def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(tmp_path, capsys):
     """Each was a traceback: from_pretrained's OSError, and write_text on a directory (archs --out, study --docs)."""
+    from revffn.models.loading import check_model_ref
     from revffn.models.presets import tiny_model
 
     dense = tmp_path / "dense"
@@ -87,6 +88,10 @@ def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(
         f.unlink()
     assert cli.main(["validate", f"model={dense}", "data=builtin:reversal_train", f"output_dir={tmp_path / 'r'}"]) == 2
     assert f"model: {str(dense)!r} holds no *.safetensors weights" in capsys.readouterr().err
+    gguf = tmp_path / "gguf"  # a directory holding one GGUF file (and no config.json): a model, read from the GGUF
+    gguf.mkdir()
+    (gguf / "model.gguf").write_bytes(b"GGUF")
+    check_model_ref(str(gguf))  # (names no file it reads yet)
     taken = tmp_path / "taken"
     taken.mkdir()
     assert cli.main(["archs", "--types", "qwen2_moe", "--out", str(taken)]) == 2
