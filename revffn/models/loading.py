@@ -166,10 +166,14 @@ def check_model_ref(model: str, key: str = "model") -> None:
     directory or Hub ID; a config-only geometry has no weights). Never touches the network."""
     kind = model_kind(model, key, allow=("tiny", "shipped", "dir", "hub"))
     path = Path(model).expanduser()
-    if kind == "dir" and path.is_dir() and gguf_file(model) is None and not any(path.glob("*.safetensors")):
-        raise UserError(f"{key}: {model!r} holds no *.safetensors weights (revffn loads safetensors only). Fix: save "
-                        "the model with save_pretrained(DIR) (safetensors by default), or copy its *.safetensors "
-                        "files there.")
+    if kind == "dir" and path.is_dir() and gguf_file(model) is None and not has_weights(path):
+        raise UserError(f"{key}: {model!r} holds no weights (*.safetensors, or pytorch_model*.bin). Fix: save the "
+                        "model with save_pretrained(DIR), or copy its weight files there.")
+
+
+def has_weights(path: Path) -> bool:
+    """Whether a model directory holds weight files transformers loads (safetensors, or PyTorch's .bin)."""
+    return any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
 
 
 def hf_config(model: str, **overrides):
@@ -263,8 +267,9 @@ def read_revffn_json(root: Path, key: str = "model") -> dict:
             architectures = []
         if "RevFFNModelForCausalLM" in architectures:  # read as a plain model, its weights would load as none
             raise UserError(f"{key}: {str(root)!r} holds a RevFFN-converted model (its config.json) but no "
-                            "revffn.json, which says how its blocks are built: the directory is damaged. Fix: copy "
-                            "the model directory again from where it was written.")
+                            "revffn.json, which says how its blocks are built. Fix: copy revffn.json there from the "
+                            "directory the model came from (save_pretrained of the trust_remote_code class does not "
+                            "write it), or copy that whole directory again.")
         return {}
     try:
         manifest = json.loads(f.read_text())
@@ -379,9 +384,10 @@ def load(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         raise UserError(f"{path!r} is not a model directory (no config.json). Fix: point at a run's final/ "
                         "directory or an HF save_pretrained directory.")
     manifest = read_revffn_json(root)
-    if not any(root.glob("*.safetensors")):
-        raise UserError(f"{path!r} holds no *.safetensors weights. Fix: copy the model directory again from where "
-                        "it was written (a run's final/ holds model.safetensors).")
+    weights = (root / "model.safetensors").is_file() if manifest.get("format") == "revffn" else has_weights(root)
+    if not weights:
+        raise UserError(f"{path!r} holds no weights. Fix: copy the model directory again from where it was written "
+                        "(a run's final/ holds model.safetensors).")
     if manifest.get("format") == "revffn":  # a revffn run's final/ or a `revffn convert` directory
         model = converted_skeleton(root, AutoModelForCausalLM.from_config(stored_config(root), dtype=dtype))
         load_model(model, str(root / "model.safetensors"))

@@ -87,7 +87,9 @@ def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(
     for f in dense.glob("*.safetensors"):
         f.unlink()
     assert cli.main(["validate", f"model={dense}", "data=builtin:reversal_train", f"output_dir={tmp_path / 'r'}"]) == 2
-    assert f"model: {str(dense)!r} holds no *.safetensors weights" in capsys.readouterr().err
+    assert f"model: {str(dense)!r} holds no weights (*.safetensors, or pytorch_model*.bin)" in capsys.readouterr().err
+    (dense / "pytorch_model.bin").write_bytes(b"")  # PyTorch's weights: from_pretrained reads them
+    check_model_ref(str(dense))
     gguf = tmp_path / "gguf"  # a directory holding one GGUF file (and no config.json): a model, read from the GGUF
     gguf.mkdir()
     (gguf / "model.gguf").write_bytes(b"GGUF")

@@ -325,7 +325,8 @@ def test_a_damaged_model_directory_is_one_error_in_eval_and_generate(tmp_path, c
     (out / "revffn.json").write_text(manifest)
     (out / "model.safetensors").unlink()
     assert main(["eval", str(out), "--data", "builtin:reversal_test", "--limit", "2"]) == 2
-    assert f"MODEL_DIR: {str(out)!r} holds no *.safetensors weights" in capsys.readouterr().err
+    assert f"MODEL_DIR: {str(out)!r} holds no weights (*.safetensors, or pytorch_model*.bin)" in \
+        capsys.readouterr().err
 
 
 def test_convert_over_its_own_model_directory_is_refused(tmp_path, capsys):
