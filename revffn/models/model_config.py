@@ -105,8 +105,7 @@ def _get(config, name: str):
 
 def _reason(error: BaseException) -> str:
     """An exception as one line for a message: its text, else its type (a bare assert says nothing)."""
-    text = one_line(error)[:300]
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{type(error).__name__}: {one_line(error)[:300]}" if str(error).strip() else type(error).__name__
 
 
 def _geometry_problem(ref: str, overrides: dict) -> str | None:
