@@ -22,7 +22,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -680,6 +682,28 @@ def quiet_known_noise() -> None:
             logger.addFilter(_KnownNoise())
 
 
+class _Interrupts:
+    """While in use (the main thread, Python's own handler in place): each Ctrl-C is noted, and raises
+    KeyboardInterrupt as Python's handler does."""
+
+    seen = False
+
+    def __enter__(self):
+        main_thread = threading.current_thread() is threading.main_thread()
+        self.previous = signal.getsignal(signal.SIGINT) if main_thread else None
+        if self.previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._interrupted)
+        return self
+
+    def _interrupted(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
     # cuBLAS reads its workspace setting once, at a process's first matmul, which convert's and the study's base
@@ -701,8 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv)
     if getattr(args, "config", None) == "":
         args.config = None
+    interrupts = _Interrupts()
     try:
-        return args.fn(args)
+        with interrupts:
+            return args.fn(args)
     except UserError as e:
         print(f"revffn {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -713,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1
     except Exception as e:
+        if interrupts.seen:  # a Ctrl-C raised inside an import may surface as another error (transformers' lazy
+            print(f"revffn {args.command}: interrupted", file=sys.stderr)  # modules: a ModuleNotFoundError)
+            return 130
         if (why := disk_fault(e)) is not None:  # (an OSError, or a library's own: safetensors' "File too large")
             print(f"revffn {args.command}: error: a write failed: {why} ({one_line(e)}). Fix: free space, or write "
                   "the output elsewhere.", file=sys.stderr)
