@@ -30,6 +30,7 @@ from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import DiskFull, UserError, disk_fault, one_line
+from revffn.models.cache import file_in_the_way
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
@@ -168,8 +169,7 @@ def cmd_bench(args) -> int:
 
 def check_out_dir(out: str, holds: str) -> None:
     """`--out` can be a directory: neither it nor a directory above it is a file (checked before any work)."""
-    blocker = next((p for p in (Path(out), *Path(out).parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
+    if (blocker := file_in_the_way(Path(out))) is not None:
         what = "is a file" if blocker == Path(out) else f"cannot be a directory: {blocker} is a file"
         raise UserError(f"--out {out}: {what}. Fix: a directory for {holds}.")
 
@@ -179,8 +179,7 @@ def check_out_file(path: str, flag: str) -> None:
     any work)."""
     if Path(path).is_dir():
         raise UserError(f"{flag} {path}: is a directory. Fix: a file path, e.g. {Path(path) / 'out.md'}.")
-    blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
+    if (blocker := file_in_the_way(Path(path).parent)) is not None:
         raise UserError(f"{flag} {path}: {blocker} is a file, not a directory. Fix: another path.")
 
 

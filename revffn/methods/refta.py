@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revffn.archs.architectures import spec_for
 from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.memory.estimate import Dims, MemoryContext, MemoryTerms
@@ -139,7 +138,7 @@ def wrap(model: CausalLM, targets: list[str], r: int, alpha: float) -> list[ReFT
              and any(_suffix(n, t) for t in targets)]
     missing = [t for t in targets if not any(_suffix(n, t) for n, _ in found)]
     for t in targets:
-        check_not_head("refta", t, [n for n, _ in found if _suffix(n, t)], spec_for(model.hf).head)
+        check_not_head("refta", t, [n for n, _ in found if _suffix(n, t)], model.spec.head)
     if missing:
         raise UserError(f"refta.target_modules: {missing} match no nn.Linear module. Fix: use names like "
                         f"{', '.join(DEFAULT_TARGETS)}, or null for the defaults.")

@@ -102,6 +102,12 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The file at `path` or at a directory above it, which keeps it from being (made) a directory; None if none."""
+    path = Path(path)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
 def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: str | None = None) -> None:
     """`out` may be written by `staged_dir`: absent or empty, or (with `overwrite`) a model directory revffn wrote
     (its revffn.json), not the model directory `source` it is written from. Anything else is refused, naming what

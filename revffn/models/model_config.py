@@ -50,17 +50,14 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
                             f"{key}.{name}={fix}.")
         if name in POSITIVE_KEYS and value < 1:
             raise UserError(f"{key}.{name}: must be at least 1, got {value!r}. Fix: a positive {name}.")
+    ref = _ref(model)
     try:
-        if model_kind(model) in ("dir", "shipped", "hub"):
-            stored_depth_config(resolve_model_ref(model, weights=False), **overrides)
-        else:
-            hf_config(model, **overrides)
+        _config(ref, overrides)
     except UserError:
         raise
     except Exception as e:  # transformers' validation of the config (a strict dataclass since 5.x)
         raise UserError(f"{key}: {type(base).__name__} refuses {overrides}: {_reason(e)}. Fix: values that fit "
                         "together (e.g. num_attention_heads dividing hidden_size).") from None
-    ref = model if model_kind(model) in ("tiny", "config") else resolve_model_ref(model, weights=False)
     if problem := _new_problem(ref, overrides, _geometry_problem):
         raise UserError(f"{key}: {problem}")
     if problem := _new_problem(ref, overrides, _build_problem):
@@ -73,8 +70,7 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
 def geometry_problem(model: str, overrides: dict) -> str | None:
     """What the overrides give `model` that its first step would fail on (`_geometry_problem`), or None: for the
     commands that build it at another size themselves (`revffn check --hidden`)."""
-    ref = model if model_kind(model) in ("tiny", "config") else resolve_model_ref(model, weights=False)
-    return _new_problem(ref, overrides, _geometry_problem)
+    return _new_problem(_ref(model), overrides, _geometry_problem)
 
 
 # what changes the shape of a weight (a pretrained model's would not load), as the message names them
@@ -88,6 +84,12 @@ def _new_problem(ref: str, overrides: dict, find) -> str | None:
     the overrides' doing: training will tell)."""
     problem = find(ref, overrides)
     return problem if problem is not None and find(ref, {}) is None else None
+
+
+def _ref(model: str) -> str:
+    """What the configs are read from: a tiny or config-only preset's name, else the model's directory (a Hub
+    model's snapshot of configs only: no weights are downloaded to check them)."""
+    return model if model_kind(model) in ("tiny", "config") else resolve_model_ref(model, weights=False)
 
 
 def _config(ref: str, overrides: dict):

@@ -25,6 +25,7 @@ import yaml
 from revffn.data.collate import data_shard
 from revffn.errors import UserError
 from revffn.methods import method_class
+from revffn.models.cache import file_in_the_way
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
 from revffn.models.model_config import check_model_config
 from revffn.models.presets import TINY_PRESETS
@@ -170,8 +171,7 @@ def check_resume_config(cfg, ckpt: Path, weights_dtype: torch.dtype) -> None:
 
 def check_output_dir(cfg, run_dir: Path, resume_from: Path | None) -> None:
     """The run directory can be created (no file in its place or on its path) and holds no other run."""
-    blocker = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
+    if (blocker := file_in_the_way(run_dir)) is not None:
         raise UserError(f"output_dir: {str(run_dir)!r} cannot be a directory: {str(blocker)!r} is a file. Fix: "
                         "choose another output_dir.")
     dangling = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
