@@ -6,7 +6,8 @@ Accepted example formats, detected per example by its keys:
 
 * alpaca:    {"instruction", "input"?, "output", "system"?}  (user = instruction + "\\n\\n" + input)
 * sharegpt:  {"conversations": [{"from": human|user|gpt|assistant|system, "value"}]}
-* messages:  {"messages": [{"role": system|user|assistant, "content"}]}
+* messages:  {"messages": [{"role": system|user|assistant, "content"}]}; a content may be a list of parts,
+             [{"type": "text", "text"}, ...] as in OpenAI's and transformers' chat format, joined into one text
 * prompt/completion: {"prompt", "completion"} (strings, or lists of {"role", "content"} messages)
 * text:      {"text"}  (plain text, trained on every token)
 
@@ -139,8 +140,29 @@ def _message_list(value: object, field: str, where: str, role_key: str, content_
         if role not in roles:
             raise UserError(f"{at}: unknown {role_key} {role!r}.{closest(role, roles)} "
                             f"Fix: use one of {', '.join(roles)}.")
-        out.append({"role": roles[role], "content": _str(turn, content_key, at)})
+        content = _parts(turn[content_key], at) if isinstance(turn.get(content_key), list) else \
+            _str(turn, content_key, at)
+        out.append({"role": roles[role], "content": content})
     return out
+
+
+def _parts(parts: list, at: str) -> str:
+    """A content given as a list of parts (`[{"type": "text", "text": ...}]`): the texts joined as they stand (a
+    text model has nothing to do with an image or audio part: refused, naming it)."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{at}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type", "text") != "text":
+            kind = f"a part of type {part.get('type')!r}" if isinstance(part, dict) else \
+                f"a {type(part).__name__} ({json.dumps(part)[:40]}) where a part object belongs"
+            raise UserError(f"{where}: {kind}; the content parts a text model reads are "
+                            "{\"type\": \"text\", \"text\": ...}. Fix: drop the other parts, or give the content "
+                            "as a string.")
+        texts.append(_str(part, "text", where))
+    if not texts:
+        raise UserError(f"{at}: an empty list of content parts. Fix: give the content as a string, or "
+                        "[{\"type\": \"text\", \"text\": ...}].")
+    return "".join(texts)
 
 
 def _messages(rec: dict, where: str) -> list[dict]:

@@ -138,9 +138,21 @@ def _text_features(file: Path):
 
 
 def _load_failure(ref: str, key: str, error: Exception) -> str:
-    """One line for a source `datasets` could not load: its reason, and the fix for that form of source."""
+    """One line for a source `datasets` could not load: its reason, and the fix for that form of source. A data
+    file that does not parse in a local hf:DIR is named with its line, as a JSON file given directly would be."""
+    import datasets
+
+    if isinstance(error, datasets.exceptions.DatasetGenerationError) and error.__cause__ is not None:
+        error = error.__cause__  # "An error occurred while generating the dataset": the reason is its cause
     lines = str(error).strip().splitlines()
     reason = (lines[0] if lines else type(error).__name__).rstrip(".")
+    local = Path(_hf_args(ref)[0]).expanduser() if ref.startswith(HF_PREFIX) else None
+    if local is not None and local.is_dir() and (bad := _bad_json_line(local)):
+        return (f"{key}: {ref!r}: {bad}. Fix: make each line of a .jsonl file one JSON object (a .json file: one "
+                "JSON list or object), or move the file out of the directory.")
+    if "column names don't match" in str(error):  # datasets reads a source's files as one table
+        return (f"{key}: cannot load {ref!r}: its data files do not all have the same columns (datasets reads them "
+                "as one table). Fix: one format in every file of the source, or give each file as its own source.")
     if ref.startswith(HF_PREFIX) and isinstance(error, ConnectionError):
         import datasets
 
@@ -159,6 +171,29 @@ def _load_failure(ref: str, key: str, error: Exception) -> str:
     else:
         fix = f"give a valid {Path(ref).suffix} file (the suffix decides how it is read)"
     return f"{key}: cannot load {ref!r}: {reason}. Fix: {fix}."
+
+
+def _bad_json_line(directory: Path) -> str | None:
+    """FILE:LINE and the reason of the first JSON data file under `directory` that does not parse, or None."""
+    import json
+
+    for file in sorted(p for p in directory.rglob("*") if p.suffix.lower() in (".json", ".jsonl") and p.is_file()):
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            return f"{file}: unreadable ({e})"
+        if file.suffix.lower() == ".json":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                return f"{file}:{e.lineno}: invalid JSON ({e.msg})"
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                line.strip() and json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{file}:{n}: invalid JSON ({e.msg})"
+    return None
 
 
 def rows(table) -> Iterator[dict]:

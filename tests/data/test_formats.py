@@ -19,6 +19,11 @@ FORMATS = {
     "messages": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
                  [("user", "q"), ("assistant", "a")]),
     "prompt_completion": ({"prompt": "q", "completion": "a"}, [("user", "q"), ("assistant", "a")]),
+    # content as a list of parts (OpenAI's and transformers' chat format): the texts joined as they stand
+    "content_parts": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q "},
+                                                                {"type": "text", "text": "two"}]},
+                                    {"role": "assistant", "content": [{"text": "a"}]}]},
+                      [("user", "q two"), ("assistant", "a")]),
 }
 
 
@@ -89,6 +94,13 @@ BAD_RECORDS = {
     "assistant_first": ({"messages": [{"role": "assistant", "content": "a"}]}, ["starts with an assistant"]),
     "not_object": ('["a", "b"]', ["expected a JSON object"]),
     "text_not_str": ({"text": ["a"]}, ["'text'", "list"]),
+    "image_part": ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]},
+                                 {"role": "assistant", "content": "a"}]},
+                   ["messages[0].content[0]: a part of type 'image'", "Fix: drop the other parts"]),
+    "part_not_object": ({"messages": [{"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]},
+                        ["messages[0].content[0]: a str (\"q\") where a part object belongs"]),
+    "no_parts": ({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "a"}]},
+                 ["messages[0]: an empty list of content parts. Fix:"]),
 }
 
 

@@ -137,6 +137,22 @@ def test_hf_columns_of_no_format(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("files,says", [
+    ({"train.jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": }\n'}, "/train.jsonl:3: invalid JSON (Expecting value)"),
+    ({"train.json": '[{"text": "a"},\n {"text": }]'}, "/train.json:2: invalid JSON (Expecting value)"),
+    ({"a.jsonl": '{"text": "a"}\n', "b.jsonl": '{"instruction": "i", "output": "o"}\n'},
+     "its data files do not all have the same columns (datasets reads them as one table). Fix:"),
+], ids=["jsonl", "json", "columns"])
+def test_hf_local_directory_of_json_that_does_not_parse(tmp_path, files, says):
+    """It was "An error occurred while generating the dataset", with the fix for a misspelled hub name."""
+    root = tmp_path / "mydata"
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).write_text(text)
+    msg = _error(f"hf:{root}")
+    assert msg.startswith("data: ") and says in msg and "check NAME, CONFIG and SPLIT" not in msg
+
+
 def test_hf_name_offline_and_not_cached(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     msg = _error("hf:revffn-tests/not-a-dataset@train", "eval_data")
