@@ -100,8 +100,8 @@ def _heal_lr(s: str) -> float | None:
 
 def cmd_check(args) -> int:
     from revffn.conversion.convert import AUTO, STREAM_DTYPES
-    from revffn.models.loading import config_overrides, is_converted, model_kind, parse_dtype
-    from revffn.models.model_config import geometry_problem
+    from revffn.models.loading import is_converted, model_kind, parse_dtype
+    from revffn.models.model_config import check_width
     from revffn.reports.check import format_report, run_check
 
     model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
@@ -109,9 +109,7 @@ def cmd_check(args) -> int:
     if is_converted(args.model, "--model"):
         raise UserError(f"--model: {args.model!r} is converted to RevFFN already; check converts a base model and "
                         "compares the two. Fix: give the base model it was converted from.")
-    if problem := geometry_problem(args.model, config_overrides(args.model, args.layers, args.hidden,
-                                                                shipped_vocab=False)):
-        raise UserError(f"--hidden {args.hidden}: {problem} (Here: another --hidden, e.g. 64.)")
+    check_width(args.model, args.layers, args.hidden)
     if args.device == "cuda":
         import torch
 
@@ -156,7 +154,11 @@ def cmd_bench(args) -> int:
         if spec.nproc > 1:
             raise UserError(f"--sweep with --nproc {spec.nproc}: a sweep runs in one process per point. Fix: "
                             "--nproc 1, or one bench per value without --sweep.")
+        from revffn.models.model_config import check_width
+
         var, values = parse_sweep(args.sweep)
+        for value in values if var == "hidden" else ():
+            check_width(spec.model, spec.layers, value, key="--sweep hidden=")
         data = run_sweep(spec, var, values, args.argv)
         names = ", ".join(write_sweep(data, args.out))
     else:
@@ -256,6 +258,7 @@ def cmd_estimate(args) -> int:
     from revffn.memory.estimate import configurations, estimate, format_estimate, gpus_needed, parse_size
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config, model_kind
+    from revffn.models.model_config import check_width
     from revffn.training.config import parse_overrides
 
     if args.gpu_mem is not None:
@@ -266,6 +269,7 @@ def cmd_estimate(args) -> int:
         options = parse_overrides(args.option)
     except UserError as e:  # (its example is a training key's)
         raise UserError(f"--option: {e}".replace("e.g. max_steps=100", "e.g. --option optimizer=adamw8bit")) from None
+    check_width(args.model, args.layers, args.hidden)
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
     parallel = {"world_size": args.world_size, "distributed": args.distributed}
     est = estimate(config, method, args.batch, args.seq, args.dtype, **parallel, **options)
@@ -396,7 +400,7 @@ def _load_for_cli(model_dir: str, seed: int = 0):
 
 def cmd_generate(args) -> int:
     from revffn.data.templates import chat_prompts
-    from revffn.models.generation import generate_texts
+    from revffn.models.generation import check_context, generate_texts, positions
 
     for i, prompt in enumerate(args.prompt):  # (--prompt appends: always a list)
         try:
@@ -406,7 +410,10 @@ def cmd_generate(args) -> int:
                             "Fix: give the prompt as UTF-8 text (check the terminal's or the script's encoding).") \
                 from None
     model, tok = _load_for_cli(args.model_dir)
-    for text in generate_texts(model, tok, chat_prompts(args.prompt, tok), max_new_tokens=args.max_new_tokens):
+    prompts = chat_prompts(args.prompt, tok)
+    check_context(positions(model), [len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompts],
+                  args.max_new_tokens, "--max-new-tokens")
+    for text in generate_texts(model, tok, prompts, max_new_tokens=args.max_new_tokens):
         print(text)
     return 0
 
@@ -418,7 +425,7 @@ def cmd_eval(args) -> int:
     model, tok = _load_for_cli(args.model_dir)
     examples = load_examples(args.data, "--data")
     report = evaluate(model, tok, examples, args.max_seq_length, args.batch_size, args.max_new_tokens, args.limit,
-                      args.match)
+                      args.match, key="--max-new-tokens")
     report["model"], report["data"] = args.model_dir, args.data
     if args.loglikelihoods:  # what lm-eval's `hf` model scores on the task `revffn.reports.lm_eval_task` writes
         from revffn.reports.lm_eval_task import loglikelihoods, task_rows

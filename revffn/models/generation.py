@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from revffn.errors import UserError
+
 END_TOKENS = ("<|end|>", "<|endoftext|>", "<|im_end|>", "</s>")
 
 
@@ -69,6 +71,25 @@ def save_generation_config(out_dir: Path, tokenizer) -> None:
     config = GenerationConfig.from_pretrained(path) if saved else GenerationConfig()
     config.eos_token_id, config.pad_token_id = sorted(stop_ids(tokenizer)), tokenizer.pad_token_id
     config.save_pretrained(path)
+
+
+def positions(model) -> int | None:
+    """The model's context: its config's `max_position_embeddings`, where it has one."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
+
+
+def check_context(context: int | None, prompt_lengths: list[int], max_new_tokens: int, key: str) -> None:
+    """UserError (naming `key`) when the longest prompt plus `max_new_tokens` runs past the model's `context`
+    positions (`positions`), as vLLM refuses `max_tokens` beyond `max_model_len`: past them RoPE models decode on at
+    untrained positions, and a large value runs for hours before it says so. No check where `context` is None."""
+    longest = max(prompt_lengths, default=0)
+    if context is not None and longest + max_new_tokens > context:
+        room = context - longest
+        fix = f"give {key} {room} or less" if room > 0 else "shorten the prompt"
+        raise UserError(f"{key} {max_new_tokens}: the longest prompt is {longest} tokens and the model has "
+                        f"{context} positions (max_position_embeddings), so at most {max(room, 0)} new tokens fit. "
+                        f"Fix: {fix}.")
 
 
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,

@@ -8,8 +8,17 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from revffn.errors import UserError, closest, one_line
-from revffn.models.loading import hf_config, model_kind, resolve_model_ref, stored_depth_config
+from revffn.models.loading import (
+    WIDTH_KEYS,
+    config_overrides,
+    hf_config,
+    model_kind,
+    resolve_model_ref,
+    stored_depth_config,
+)
 from revffn.models.sharded import meta_hf
 
 POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
@@ -17,7 +26,8 @@ POSITIVE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_i
                  "num_experts_per_tok")
 
 
-def check_model_config(model: str, overrides: dict, key: str = "model_config") -> None:
+def check_model_config(model: str, overrides: dict, key: str = "model_config", compute: torch.dtype | None = None,
+                       device: str = "cpu") -> None:
     """`model_config` before the model is loaded (it reads configs, and builds on the meta device): every key a
     setting of the model's config class, each value of the type the model's own is (an integer for an integer, a
     number for a float, a boolean for a boolean), a geometry at least 1 (`POSITIVE_KEYS`), transformers' own checks
@@ -63,6 +73,9 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config") -
     if problem := _new_problem(ref, overrides, _build_problem):
         raise UserError(f"{key}: {type(base).__name__} ({model}) cannot be built with {overrides}: {problem}. Fix: a "
                         "value the model's config.json could hold (see its documentation in transformers).")
+    if compute is not None and (problem := _new_problem(ref, overrides, lambda r, o: _stride_problem(r, o, compute,
+                                                                                                     device))):
+        raise UserError(f"{key}: {problem}")
     if model_kind(model) not in ("tiny", "config") and set(overrides) - {"num_hidden_layers"}:
         _check_weight_shapes(model, ref, overrides, key)
 
@@ -73,10 +86,38 @@ def geometry_problem(model: str, overrides: dict) -> str | None:
     return _new_problem(_ref(model), overrides, _geometry_problem)
 
 
+def check_width(model: str, layers: int | None, hidden: int | None, key: str = "--hidden") -> None:
+    """`--hidden` of the commands that build a model at another size themselves (check, estimate, bench): UserError
+    naming `key` where the width gives the model a geometry its first step fails on (`geometry_problem`)."""
+    if hidden is None:
+        return
+    if problem := geometry_problem(model, config_overrides(model, layers, hidden, shipped_vocab=False)):
+        sep = "" if key.endswith("=") else " "
+        raise UserError(f"{key}{sep}{hidden}: {problem} (Here: e.g. {key}{sep}{_near_width(model, layers, hidden)}.)")
+
+
+def _near_width(model: str, layers: int | None, hidden: int) -> int:
+    """The nearest width above `hidden` with no geometry problem (a multiple of 64 at the latest)."""
+    for width in range(hidden + 1, hidden + 65):
+        if geometry_problem(model, config_overrides(model, layers, width, shipped_vocab=False)) is None:
+            return width
+    return -(-hidden // 64) * 64
+
+
 # what changes the shape of a weight (a pretrained model's would not load), as the message names them
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
               "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
               "num_local_experts", "n_routed_experts", "n_shared_experts", "tie_word_embeddings")
+
+
+def context_length(model: str, overrides: dict) -> int | None:
+    """The model's positions (`max_position_embeddings`, with `overrides`) read from its config, without building it;
+    None where it has none or the config does not read (the build will say why)."""
+    try:
+        context = _get(_config(_ref(model), overrides), "max_position_embeddings")
+    except Exception:
+        return None
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def _new_problem(ref: str, overrides: dict, find) -> str | None:
@@ -154,6 +195,42 @@ def _build_problem(ref: str, overrides: dict) -> str | None:
         raise
     except Exception as e:  # e.g. an activation transformers does not know, a padding id outside the vocabulary
         return _reason(e)
+    return None
+
+
+def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str) -> str | None:
+    """An expert width whose rows torch's grouped_mm (transformers' default experts kernel, where torch has it) cannot
+    take: each row must start on a 16-byte boundary, so in `compute` every width of an expert weight is a multiple of
+    16 / its byte size (4 in fp32, 8 in bf16). Otherwise the first step fails with "strides should be multiple of 16
+    bytes". None where the widths fit or the kernel does not run (torch before 2.9 on the CPU: transformers' loop)."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return None
+    if device == "cpu" and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 9):
+        return None
+    multiple = 16 // torch.empty((), dtype=compute).element_size()
+    bad = _misaligned(ref, overrides, multiple)
+    if bad is None:
+        return None
+    name, shape, widths = bad
+    config = _config(ref, overrides)
+    keys = [k for k in ("hidden_size", *WIDTH_KEYS) if _get(config, k) in widths]
+    fix = f"{', '.join(keys) or 'the expert widths'} multiples of {multiple}"
+    hidden = overrides.get("hidden_size")
+    if model_kind(ref) == "tiny" and isinstance(hidden, int):  # its expert widths follow hidden_size
+        fit = next((h for h in range(hidden + 1, hidden + 16 * multiple)
+                    if _misaligned(ref, {**overrides, "hidden_size": h}, multiple) is None), None)
+        fix += f" (this preset derives its expert widths from hidden_size: e.g. hidden_size={fit})" if fit else ""
+    return (f"the experts' weight {name} would be {shape}: torch's grouped_mm, transformers' experts kernel, needs "
+            f"every expert width a multiple of {multiple} in {str(compute).removeprefix('torch.')} (16-byte rows), "
+            f"and {widths[0]} is not. Fix: {fix}.")
+
+
+def _misaligned(ref: str, overrides: dict, multiple: int) -> tuple[str, list[int], list[int]] | None:
+    """The first expert weight (a 3-D parameter under `experts`) with widths not a multiple of `multiple`: its name,
+    shape and those widths."""
+    for name, p in meta_hf(ref, **overrides).named_parameters():
+        if p.dim() == 3 and "experts" in name and (bad := [d for d in p.shape[1:] if d % multiple]):
+            return name, list(p.shape), bad
     return None
 
 

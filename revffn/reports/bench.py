@@ -81,10 +81,12 @@ def resolve(spec: BenchSpec) -> BenchSpec:
 
     from revffn.methods import method_class
     from revffn.models.loading import model_kind, resolve_model_ref
+    from revffn.models.model_config import check_width
     from revffn.training.parallel import check_strategy
 
     if model_kind(spec.model, "--model") == "hub":  # fetched once, here: the workers read the cache offline
         resolve_model_ref(spec.model, "--model", weights=spec.hidden is None)
+    check_width(spec.model, spec.layers, spec.hidden)
     for m in spec.methods:
         method_class(split_label(m)[0], key="--methods")
     if not spec.methods:

@@ -70,15 +70,17 @@ def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast, pr
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, batch_size: int = 16,
-             max_new_tokens: int = 48, limit: int | None = None, match: str = "exact") -> dict:
+             max_new_tokens: int = 48, limit: int | None = None, match: str = "exact",
+             key: str = "eval_max_new_tokens") -> dict:
     """Teacher-forced loss/perplexity over all examples; accuracy over the first `limit` with answers.
 
     `match` ("exact" or "contains", see `is_match`) decides when a greedy generation is correct; the
-    report's `exact_match` is the fraction correct under it and `match` names it.
+    report's `exact_match` is the fraction correct under it and `match` names it. A prompt with `max_new_tokens`
+    past the model's positions is refused (UserError naming `key`) before the loss pass.
     """
     from revffn.data.collate import tokenize_dataset
     from revffn.data.templates import render_prompt
-    from revffn.models.generation import generate_texts
+    from revffn.models.generation import check_context, generate_texts, positions
 
     if match not in MATCHES:  # before the loss pass, not after it
         raise ValueError(f"match: expected one of {', '.join(MATCHES)}, got {match!r}")
@@ -89,6 +91,8 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     if limit is not None:
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
+    check_context(positions(model), [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
+                  max_new_tokens if prompts else 0, key)
     n_loss = -(-len(data.items) // batch_size)
     total = n_loss + -(-len(prompts) // batch_size)
     with progress("eval", "batch", total) as bar:  # the loss batches, then the generation batches

@@ -27,7 +27,7 @@ from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.cache import file_in_the_way
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
-from revffn.models.model_config import check_model_config
+from revffn.models.model_config import check_model_config, context_length
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config
@@ -340,7 +340,9 @@ def prepare_run(cfg) -> RunPlan:
     """Validate everything that can be validated without a model. Writes nothing."""
     from revffn.data.collate import tokenize_dataset
     from revffn.data.formats import load_examples
+    from revffn.data.templates import render_prompt
     from revffn.data.tokenizer import model_tokenizer
+    from revffn.models.generation import check_context
 
     check_model_ref(cfg.model)
     method = method_class(cfg.method)
@@ -360,7 +362,8 @@ def prepare_run(cfg) -> RunPlan:
                         f"above it have no embedding. Fix: model_config.vocab_size={len(tokenizer)} or more, or drop "
                         "it (a tiny preset takes the tokenizer's).")
     if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`); as the model is built
-        check_model_config(cfg.model, model_overrides(cfg, tokenizer))  # (a tiny preset: the tokenizer's vocabulary)
+        check_model_config(cfg.model, model_overrides(cfg, tokenizer),  # (a tiny preset: the tokenizer's vocabulary)
+                           compute=autocast or weights, device=device.type)
     if cfg.streaming:
         train_set = open_stream(cfg, tokenizer)
     else:
@@ -376,8 +379,14 @@ def prepare_run(cfg) -> RunPlan:
         method.check_data(cfg, train_set.items)
     eval_set = None
     if cfg.eval_data:
-        eval_set = tokenize_dataset(load_examples(cfg.eval_data, "eval_data"), tokenizer, cfg.max_seq_length, False,
-                                    "eval_data")
+        eval_examples = load_examples(cfg.eval_data, "eval_data")
+        eval_set = tokenize_dataset(eval_examples, tokenizer, cfg.max_seq_length, False, "eval_data")
+        if cfg.eval_generate_limit:  # the final exact-match eval's prompts, as `evaluate` renders them
+            scored = [e for e in eval_examples if e.get("answer") is not None][: cfg.eval_generate_limit]
+            check_context(context_length(cfg.model, model_overrides(cfg, tokenizer)),
+                          [len(tokenizer(render_prompt(e["messages"][:-1], tokenizer), add_special_tokens=False)
+                               ["input_ids"]) for e in scored], cfg.eval_max_new_tokens if scored else 0,
+                          "eval_max_new_tokens")
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
                    rejected, method, model_dir)
 

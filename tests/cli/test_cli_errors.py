@@ -1,6 +1,7 @@
 """Bad arguments the subcommands refuse before any work (exit 2, nothing written), and a reader of stdout that
 goes away (`| head`), a full disk under it or a Ctrl-C while the command imports: one line, no traceback."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -78,6 +79,23 @@ def test_check_refuses_a_width_the_model_cannot_run_and_a_converted_model(tmp_pa
     assert "is converted to RevFFN already" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["estimate", "--model", "tiny-qwen2-moe", "--method", "revffn", "--hidden", "33"],
+     "--hidden 33: hidden_size=33 is not a multiple of num_attention_heads=4."),
+    (["estimate", "--model", "qwen1.5-moe-a2.7b", "--method", "revffn", "--hidden", "2050"],
+     "(Here: e.g. --hidden 2080.)"),  # 2064 / 16 heads: 129-wide heads, odd
+    (["bench", "--model", "tiny-qwen2-moe", "--methods", "full", "--hidden", "36"],
+     "--hidden 36: the attention heads would be 9 wide"),
+    (["bench", "--model", "tiny-qwen2-moe", "--methods", "full", "--sweep", "hidden=32,33"],
+     "--sweep hidden=33: hidden_size=33 is not a multiple of num_attention_heads=4. Fix:"),
+], ids=["estimate", "estimate_suggests", "bench", "sweep"])
+def test_a_width_train_would_refuse_is_refused_before_estimating_or_benching(tmp_path, capsys, argv, says):
+    """estimate printed figures for a shape train refuses; bench ran every method into the same per-run error."""
+    out = ["--out", str(tmp_path / "b")] if argv[0] == "bench" else []
+    assert cli.main([*argv, *out]) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
 def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(tmp_path, capsys):
     """Each was a traceback: from_pretrained's OSError, and write_text on a directory (archs --out, study --docs)."""
     from revffn.models.loading import check_model_ref
@@ -131,3 +149,28 @@ def test_a_flag_the_parser_refuses_is_one_line_with_its_fix(capsys, argv, says):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
     assert err.startswith(f"revffn {argv[0]}: error: {says}") and f"Fix: `revffn {argv[0]} --help`" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_max_new_tokens_past_the_models_positions_exits_2_before_decoding(tmp_path, capsys, command):
+    # 100000 new tokens on a 1024-position model ran for more than 300 s at positions it was never trained on
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"instruction": "say ok", "output": "ok"}) + "\n")
+    where = ["--prompt", "say ok"] if command == "generate" else ["--data", str(data)]
+    assert cli.main([command, "builtin:base", *where, "--max-new-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 100000: the longest prompt is" in err and "1024 positions" in err
+    room = int(err.split("so at most ")[1].split()[0])
+    assert 0 < room < 1024 and f"Fix: give --max-new-tokens {room} or less." in err
+
+
+def test_the_context_check_admits_exactly_what_fits():
+    from revffn.errors import UserError
+    from revffn.models.generation import check_context
+
+    check_context(1024, [24, 1000], 24, "--max-new-tokens")  # 1000 + 24 = 1024 positions: fits
+    check_context(None, [5000], 10**6, "--max-new-tokens")  # a model with no max_position_embeddings: no check
+    with pytest.raises(UserError, match="at most 23 new tokens fit. Fix: give --max-new-tokens 23 or less"):
+        check_context(1024, [1001], 24, "--max-new-tokens")
+    with pytest.raises(UserError, match="at most 0 new tokens fit. Fix: shorten the prompt"):
+        check_context(1024, [1024], 1, "--max-new-tokens")

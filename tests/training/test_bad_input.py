@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from revffn import cli
@@ -378,3 +379,35 @@ def test_validate_checks_a_config_torchrun_launches(tmp_path, capsys, monkeypatc
     assert "distributed=fsdp: its checks passed, the rest checked as one process" in capsys.readouterr().out
     _fails(capsys, ["validate", str(p), "optimizer=adamw8bit"], "distributed: fsdp shards the optimizer state")
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_max_new_tokens_past_the_models_positions(tmp_path, capsys):
+    # the final exact-match eval would have decoded 100000 tokens on at untrained positions, hours after the start
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"ok {i}"}) + "\n" for i in range(8)))
+    cfg = _cfg(tmp_path, eval_data=str(data), eval_max_new_tokens=100000)
+    _fails(capsys, ["train", str(cfg)], "eval_max_new_tokens 100000:", "2048 positions",
+           "Fix: give eval_max_new_tokens")
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["validate", str(_cfg(tmp_path, eval_data=str(data), eval_max_new_tokens=2000))]) == 0
+
+
+GROUPED_MM = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+@pytest.mark.skipif(not GROUPED_MM, reason="this torch has no grouped_mm: transformers loops over the experts")
+@pytest.mark.parametrize("dtype,hidden,says", [
+    ("float32", 42, "42 is not. Fix: hidden_size multiples of 4 (this preset derives its "
+                    "expert widths from hidden_size: e.g. hidden_size=48)"),
+    ("float32", 44, "multiple of 4 in float32 (16-byte rows), and 22 is not. Fix: moe_intermediate_size multiples "
+                    "of 4"),
+    ("bfloat16", 44, "multiple of 8 in bfloat16 (16-byte rows), and 44 is not."),
+])
+def test_expert_widths_grouped_mm_cannot_take(tmp_path, capsys, dtype, hidden, says):
+    """It was "RuntimeError: strides should be multiple of 16 bytes" from torch at the first step, after the run's
+    directory was written (tiny-qwen3-moe's expert width is half its hidden_size)."""
+    p = _cfg(tmp_path, model="tiny-qwen3-moe", dtype=dtype,
+             model_config={"num_hidden_layers": 1, "hidden_size": hidden, "head_dim": 16})
+    _fails(capsys, ["train", str(p)], "model_config: the experts' weight model.layers.0.mlp.experts.", says)
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["train", str(p), "model_config.hidden_size=48", "max_steps=1"]) == 0, capsys.readouterr().err
