@@ -109,7 +109,8 @@ def cmd_check(args) -> int:
     if is_converted(args.model, "--model"):
         raise UserError(f"--model: {args.model!r} is converted to RevFFN already; check converts a base model and "
                         "compares the two. Fix: give the base model it was converted from.")
-    check_width(args.model, args.layers, args.hidden)
+    check_width(args.model, args.layers, args.hidden, compute=parse_dtype(args.dtype, "--dtype"),
+                device="cuda" if args.device == "cuda" else "cpu")
     if args.device == "cuda":
         import torch
 
@@ -154,11 +155,12 @@ def cmd_bench(args) -> int:
         if spec.nproc > 1:
             raise UserError(f"--sweep with --nproc {spec.nproc}: a sweep runs in one process per point. Fix: "
                             "--nproc 1, or one bench per value without --sweep.")
+        from revffn.models.loading import DTYPES
         from revffn.models.model_config import check_width
 
         var, values = parse_sweep(args.sweep)
         for value in values if var == "hidden" else ():
-            check_width(spec.model, spec.layers, value, key="--sweep hidden=")
+            check_width(spec.model, spec.layers, value, "--sweep hidden=", DTYPES[spec.dtype], spec.device)
         data = run_sweep(spec, var, values, args.argv)
         names = ", ".join(write_sweep(data, args.out))
     else:
@@ -257,7 +259,7 @@ def cmd_archs(args) -> int:
 def cmd_estimate(args) -> int:
     from revffn.memory.estimate import configurations, estimate, format_estimate, gpus_needed, parse_size
     from revffn.methods import method_class
-    from revffn.models.loading import config_overrides, hf_config, model_kind
+    from revffn.models.loading import config_overrides, hf_config, model_kind, parse_dtype
     from revffn.models.model_config import check_width
     from revffn.training.config import parse_overrides
 
@@ -269,7 +271,7 @@ def cmd_estimate(args) -> int:
         options = parse_overrides(args.option)
     except UserError as e:  # (its example is a training key's)
         raise UserError(f"--option: {e}".replace("e.g. max_steps=100", "e.g. --option optimizer=adamw8bit")) from None
-    check_width(args.model, args.layers, args.hidden)
+    check_width(args.model, args.layers, args.hidden, compute=parse_dtype(args.dtype, "--dtype"), device="cuda")
     config = hf_config(args.model, **config_overrides(args.model, args.layers, args.hidden))
     parallel = {"world_size": args.world_size, "distributed": args.distributed}
     est = estimate(config, method, args.batch, args.seq, args.dtype, **parallel, **options)

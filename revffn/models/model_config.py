@@ -86,22 +86,28 @@ def geometry_problem(model: str, overrides: dict) -> str | None:
     return _new_problem(_ref(model), overrides, _geometry_problem)
 
 
-def check_width(model: str, layers: int | None, hidden: int | None, key: str = "--hidden") -> None:
+def check_width(model: str, layers: int | None, hidden: int | None, key: str = "--hidden",
+                compute: torch.dtype | None = None, device: str = "cpu") -> None:
     """`--hidden` of the commands that build a model at another size themselves (check, estimate, bench): UserError
-    naming `key` where the width gives the model a geometry its first step fails on (`geometry_problem`)."""
+    naming `key` where the width gives the model a geometry its first step fails on (`geometry_problem`), or, where
+    `compute` is given, expert widths grouped_mm cannot take in it on `device` (`_stride_problem`)."""
     if hidden is None:
         return
-    if problem := geometry_problem(model, config_overrides(model, layers, hidden, shipped_vocab=False)):
+    if problem := _width_problem(model, layers, hidden, compute, device):
         sep = "" if key.endswith("=") else " "
-        raise UserError(f"{key}{sep}{hidden}: {problem} (Here: e.g. {key}{sep}{_near_width(model, layers, hidden)}.)")
+        fit = next((w for w in range(hidden + 1, hidden + 129)
+                    if not _width_problem(model, layers, w, compute, device)), -(-hidden // 128) * 128)
+        raise UserError(f"{key}{sep}{hidden}: {problem} (Here: e.g. {key}{sep}{fit}.)")
 
 
-def _near_width(model: str, layers: int | None, hidden: int) -> int:
-    """The nearest width above `hidden` with no geometry problem (a multiple of 64 at the latest)."""
-    for width in range(hidden + 1, hidden + 65):
-        if geometry_problem(model, config_overrides(model, layers, width, shipped_vocab=False)) is None:
-            return width
-    return -(-hidden // 64) * 64
+def _width_problem(model: str, layers: int | None, hidden: int, compute: torch.dtype | None, device: str) -> str | None:
+    overrides = config_overrides(model, layers, hidden, shipped_vocab=False)
+    if problem := geometry_problem(model, overrides):
+        return problem
+    if compute is None:
+        return None
+    return _new_problem(_ref(model), overrides, lambda ref, over: _stride_problem(ref, over, compute, device,
+                                                                                   suggest=False))
 
 
 # what changes the shape of a weight (a pretrained model's would not load), as the message names them
@@ -198,7 +204,7 @@ def _build_problem(ref: str, overrides: dict) -> str | None:
     return None
 
 
-def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str) -> str | None:
+def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str, suggest: bool = True) -> str | None:
     """An expert width whose rows torch's grouped_mm (transformers' default experts kernel, where torch has it) cannot
     take: each row must start on a 16-byte boundary, so in `compute` every width of an expert weight is a multiple of
     16 / its byte size (4 in fp32, 8 in bf16). Otherwise the first step fails with "strides should be multiple of 16
@@ -216,7 +222,7 @@ def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str
     keys = [k for k in ("hidden_size", *WIDTH_KEYS) if _get(config, k) in widths]
     fix = f"{', '.join(keys) or 'the expert widths'} multiples of {multiple}"
     hidden = overrides.get("hidden_size")
-    if model_kind(ref) == "tiny" and isinstance(hidden, int):  # its expert widths follow hidden_size
+    if suggest and model_kind(ref) == "tiny" and isinstance(hidden, int):  # its expert widths follow hidden_size
         fit = next((h for h in range(hidden + 1, hidden + 16 * multiple)
                     if _misaligned(ref, {**overrides, "hidden_size": h}, multiple) is None), None)
         fix += f" (this preset derives its expert widths from hidden_size: e.g. hidden_size={fit})" if fit else ""

@@ -80,13 +80,12 @@ def resolve(spec: BenchSpec) -> BenchSpec:
     import torch
 
     from revffn.methods import method_class
-    from revffn.models.loading import model_kind, resolve_model_ref
+    from revffn.models.loading import DTYPES, model_kind, resolve_model_ref
     from revffn.models.model_config import check_width
     from revffn.training.parallel import check_strategy
 
     if model_kind(spec.model, "--model") == "hub":  # fetched once, here: the workers read the cache offline
         resolve_model_ref(spec.model, "--model", weights=spec.hidden is None)
-    check_width(spec.model, spec.layers, spec.hidden)
     for m in spec.methods:
         method_class(split_label(m)[0], key="--methods")
     if not spec.methods:
@@ -100,6 +99,7 @@ def resolve(spec: BenchSpec) -> BenchSpec:
         raise UserError("--device cuda: no CUDA device is available. Fix: --device auto or cpu.")
     device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = spec.dtype if spec.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    check_width(spec.model, spec.layers, spec.hidden, compute=DTYPES[dtype], device=device)
     out = BenchSpec(**{**asdict(spec), "device": device, "dtype": dtype,
                        "distributed": _strategy(spec.nproc, spec.distributed, device)})
     for m in out.methods:  # every method's config validates before anything runs

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from revffn import cli
 
@@ -94,6 +95,23 @@ def test_a_width_train_would_refuse_is_refused_before_estimating_or_benching(tmp
     out = ["--out", str(tmp_path / "b")] if argv[0] == "bench" else []
     assert cli.main([*argv, *out]) == 2
     assert says in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")),
+                    reason="this torch has no grouped_mm: transformers loops over the experts")
+@pytest.mark.parametrize("argv,says", [
+    (["estimate", "--model", "tiny-qwen3-moe", "--method", "revffn"], "multiple of 8 in bfloat16"),  # its default
+    (["estimate", "--model", "tiny-qwen3-moe", "--method", "revffn", "--dtype", "float32"], "and 22 is not"),
+    (["check", "--model", "tiny-qwen3-moe", "--layers", "1"], "multiple of 4 in float32"),
+    (["bench", "--model", "tiny-qwen3-moe", "--methods", "full", "--dtype", "bfloat16"], "multiple of 8 in bfloat16"),
+], ids=["estimate", "estimate_fp32", "check", "bench"])
+def test_a_width_grouped_mm_cannot_take_is_refused_in_the_commands_dtype(tmp_path, capsys, argv, says):
+    """tiny-qwen3-moe's expert width is half its hidden_size: at 44, 22 (88 bytes in fp32), and 44 in bf16."""
+    out = ["--out", str(tmp_path / "b")] if argv[0] == "bench" else []
+    assert cli.main([*argv, "--hidden", "44", *out]) == 2
+    err = capsys.readouterr().err
+    assert "--hidden 44: the experts' weight model.layers.0.mlp.experts." in err and says in err
+    assert "(Here: e.g. --hidden 48.)" in err and not (tmp_path / "b").exists()
 
 
 def test_a_model_directory_without_safetensors_and_outputs_that_are_directories(tmp_path, capsys):
