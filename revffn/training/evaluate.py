@@ -93,13 +93,13 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
     check_context(positions(model), [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
                   max_new_tokens if prompts else 0, key)
-    n_loss = -(-len(data.items) // batch_size)
-    total = n_loss + -(-len(prompts) // batch_size)
-    with progress("eval", "batch", total) as bar:  # the loss batches, then the generation batches
+    n_loss, n_generate = -(-len(data.items) // batch_size), -(-len(prompts) // batch_size)
+    with progress("eval loss", "batch", n_loss) as bar:  # two bars: a generation batch takes far longer
         loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,
-                         progress=lambda done: bar(done, total))
+                         progress=lambda done: bar(done, n_loss))
+    with progress("eval generate", "batch", n_generate) as bar:
         preds = generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device,
-                               progress=lambda done: bar(n_loss + -(-done // batch_size), total)) if scored else []
+                               progress=lambda done: bar(-(-done // batch_size), n_generate)) if scored else []
     hits = [is_match(p, e["answer"], match) for p, e in zip(preds, scored)]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
             "match": match, "n_scored": len(hits), "n_examples": len(examples),

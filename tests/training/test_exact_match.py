@@ -73,3 +73,25 @@ def test_cli_refuses_an_unknown_match(capsys):
         cli.main(["eval", "builtin:base", "--data", "builtin:commas_test", "--match", "fuzzy"])
     assert exit_info.value.code == 2
     assert "--match: invalid choice: 'fuzzy'" in capsys.readouterr().err
+
+
+def test_eval_reports_the_loss_and_the_generation_as_two_bars(monkeypatch):
+    """One bar over both ran its ETA low: it priced a generation batch (up to max_new_tokens forwards) as a loss
+    batch (one forward)."""
+    import contextlib
+
+    from revffn.data.formats import load_examples
+    from revffn.training import evaluate as module
+
+    bars = []
+
+    @contextlib.contextmanager
+    def recording(desc, unit, total=None, **kw):
+        bars.append([desc, total, []])
+        yield lambda done, total=None, note="": bars[-1][2].append((done, total))
+
+    monkeypatch.setattr(module, "progress", recording)
+    examples = load_examples("builtin:commas_test")[:10]
+    evaluate(*cli._load_for_cli("builtin:base"), examples, batch_size=4, max_new_tokens=2, limit=6)
+    assert [(desc, total) for desc, total, _ in bars] == [("eval loss", 3), ("eval generate", 2)]
+    assert [updates[-1] for _, _, updates in bars] == [(3, 3), (2, 2)]
