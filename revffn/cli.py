@@ -99,23 +99,22 @@ def _heal_lr(s: str) -> float | None:
 
 
 def cmd_check(args) -> int:
+    import torch
+
     from revffn.conversion.convert import AUTO, STREAM_DTYPES
     from revffn.models.loading import is_converted, model_kind, parse_dtype
     from revffn.models.model_config import check_width
     from revffn.reports.check import format_report, run_check
 
     model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
-    parse_dtype(args.dtype, "--dtype")
+    dtype = parse_dtype(args.dtype, "--dtype")
     if is_converted(args.model, "--model"):
         raise UserError(f"--model: {args.model!r} is converted to RevFFN already; check converts a base model and "
                         "compares the two. Fix: give the base model it was converted from.")
-    check_width(args.model, args.layers, args.hidden, compute=parse_dtype(args.dtype, "--dtype"),
-                device="cuda" if args.device == "cuda" else "cpu")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # as run_check picks
+    check_width(args.model, args.layers, args.hidden, compute=dtype, device="cuda" if cuda else "cpu")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
                        stream_dtype=STREAM_DTYPES.get(args.stream_dtype, AUTO), device=args.device, hidden=args.hidden,
                        stream_width=args.stream_width, coupling=args.coupling, buffer_momentum=args.buffer_momentum)
@@ -387,22 +386,37 @@ def cmd_validate(args) -> int:
 def _load_for_cli(model_dir: str, seed: int = 0):
     """A final/ directory, any HF directory, a Hub ID, builtin:base, or a tiny preset (random init, shipped
     tokenizer)."""
-    from revffn.conversion.causal_lm import CausalLM
+    ref, tok = _tokenizer_for_cli(model_dir)
+    return _model_for_cli(ref, tok, seed), tok
+
+
+def _tokenizer_for_cli(model_dir: str):
+    """(the model's reference, resolved: a tiny preset's name or a directory; its tokenizer), no weights read."""
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.loading import check_model_ref, load, load_hf, resolve_model_ref
+    from revffn.models.loading import check_model_ref, resolve_model_ref
     from revffn.models.presets import TINY_PRESETS
 
     check_model_ref(model_dir, "MODEL_DIR")
     if model_dir in TINY_PRESETS:
-        tok = load_tokenizer(None)
-        return CausalLM(load_hf(model_dir, seed=seed, vocab_size=len(tok))).eval(), tok
+        return model_dir, load_tokenizer(None)
     model_dir = resolve_model_ref(model_dir, "MODEL_DIR")
-    return load(model_dir), load_tokenizer(model_dir)
+    return model_dir, load_tokenizer(model_dir)
+
+
+def _model_for_cli(ref: str, tok, seed: int = 0):
+    from revffn.conversion.causal_lm import CausalLM
+    from revffn.models.loading import load, load_hf
+    from revffn.models.presets import TINY_PRESETS
+
+    if ref in TINY_PRESETS:
+        return CausalLM(load_hf(ref, seed=seed, vocab_size=len(tok))).eval()
+    return load(ref)
 
 
 def cmd_generate(args) -> int:
     from revffn.data.templates import chat_prompts
     from revffn.models.generation import check_context, generate_texts, positions
+    from revffn.models.model_config import context_length
 
     for i, prompt in enumerate(args.prompt):  # (--prompt appends: always a list)
         try:
@@ -411,10 +425,15 @@ def cmd_generate(args) -> int:
             raise UserError(f"--prompt{f' {i + 1}' if i else ''}: not UTF-8 text (a byte at character {e.start}). "
                             "Fix: give the prompt as UTF-8 text (check the terminal's or the script's encoding).") \
                 from None
-    model, tok = _load_for_cli(args.model_dir)
+    ref, tok = _tokenizer_for_cli(args.model_dir)
     prompts = chat_prompts(args.prompt, tok)
-    check_context(positions(model), [len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompts],
-                  args.max_new_tokens, "--max-new-tokens")
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompts]
+    names = [f"--prompt {i + 1}" for i in range(len(prompts))] if len(prompts) > 1 else None
+    context = context_length(ref, {})  # from the config: before the weights are read
+    check_context(context, lengths, args.max_new_tokens, "--max-new-tokens", names)
+    model = _model_for_cli(ref, tok)
+    if context is None:  # a config that did not read without the model
+        check_context(positions(model.config), lengths, args.max_new_tokens, "--max-new-tokens", names)
     for text in generate_texts(model, tok, prompts, max_new_tokens=args.max_new_tokens):
         print(text)
     return 0

@@ -140,18 +140,18 @@ def _message_list(value: object, field: str, where: str, role_key: str, content_
         if role not in roles:
             raise UserError(f"{at}: unknown {role_key} {role!r}.{closest(role, roles)} "
                             f"Fix: use one of {', '.join(roles)}.")
-        content = _parts(turn[content_key], at) if isinstance(turn.get(content_key), list) else \
+        content = _parts(turn[content_key], f"{at}.{content_key}") if isinstance(turn.get(content_key), list) else \
             _str(turn, content_key, at)
         out.append({"role": roles[role], "content": content})
     return out
 
 
 def _parts(parts: list, at: str) -> str:
-    """A content given as a list of parts (`[{"type": "text", "text": ...}]`): the texts joined as they stand (a
-    text model has nothing to do with an image or audio part: refused, naming it)."""
+    """A content given as a list of parts (`[{"type": "text", "text": ...}]`; `at` names the field): the texts joined
+    as they stand (a text model has nothing to do with an image or audio part: refused, naming it)."""
     texts = []
     for j, part in enumerate(parts):
-        where = f"{at}.content[{j}]"
+        where = f"{at}[{j}]"
         if not isinstance(part, dict) or part.get("type", "text") != "text":
             kind = f"a part of type {part.get('type')!r}" if isinstance(part, dict) else \
                 f"a {type(part).__name__} ({json.dumps(part)[:40]}) where a part object belongs"

@@ -20,6 +20,7 @@ formats (alpaca, prompt/completion with strings, text), since a cell cannot hold
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,20 +143,19 @@ def _load_failure(ref: str, key: str, error: Exception) -> str:
     file that does not parse in a local hf:DIR is named with its line, as a JSON file given directly would be."""
     import datasets
 
-    if isinstance(error, datasets.exceptions.DatasetGenerationError) and error.__cause__ is not None:
+    reading = isinstance(error, datasets.exceptions.DatasetGenerationError)  # the files, not the reference
+    if reading and error.__cause__ is not None:
         error = error.__cause__  # "An error occurred while generating the dataset": the reason is its cause
     lines = str(error).strip().splitlines()
     reason = (lines[0] if lines else type(error).__name__).rstrip(".")
     local = Path(_hf_args(ref)[0]).expanduser() if ref.startswith(HF_PREFIX) else None
-    if local is not None and local.is_dir() and (bad := _bad_json_line(local)):
+    if reading and local is not None and local.is_dir() and (bad := _bad_json_line(local)):
         return (f"{key}: {ref!r}: {bad}. Fix: make each line of a .jsonl file one JSON object (a .json file: one "
                 "JSON list or object), or move the file out of the directory.")
     if "column names don't match" in str(error):  # datasets reads a source's files as one table
         return (f"{key}: cannot load {ref!r}: its data files do not all have the same columns (datasets reads them "
                 "as one table). Fix: one format in every file of the source, or give each file as its own source.")
     if ref.startswith(HF_PREFIX) and isinstance(error, ConnectionError):
-        import datasets
-
         if datasets.config.HF_HUB_OFFLINE:
             return (f"{key}: {ref!r} is neither a local directory nor in the datasets cache, and downloading is "
                     "off (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE). Fix: run once with network and without them "
@@ -174,26 +174,40 @@ def _load_failure(ref: str, key: str, error: Exception) -> str:
 
 
 def _bad_json_line(directory: Path) -> str | None:
-    """FILE:LINE and the reason of the first JSON data file under `directory` that does not parse, or None."""
-    import json
-
-    for file in sorted(p for p in directory.rglob("*") if p.suffix.lower() in (".json", ".jsonl") and p.is_file()):
+    """FILE:LINE and the reason of the first JSON data file under `directory` that does not parse, or None; as
+    `datasets` reads them: hidden and `_` paths skipped, a .json file one document or JSON Lines. Lines are read one
+    at a time (an error path over what may be gigabytes)."""
+    files = sorted(p for p in directory.rglob("*") if p.suffix.lower() in (".json", ".jsonl") and p.is_file()
+                   and not any(part.startswith((".", "_")) for part in p.relative_to(directory).parts))
+    for file in files:
         try:
-            text = file.read_text(encoding="utf-8")
+            if file.suffix.lower() == ".json":
+                try:
+                    json.loads(file.read_text(encoding="utf-8"))
+                    continue
+                except json.JSONDecodeError as e:
+                    whole = f"{file}:{e.lineno}: invalid JSON ({e.msg})"
+                with open(file, encoding="utf-8") as f:
+                    first = next((line for line in f if line.strip()), "")
+                if not _parses(first):
+                    return whole
+            with open(file, encoding="utf-8") as f:  # JSON Lines (a .json file of them included)
+                for n, line in enumerate(f, 1):
+                    try:
+                        line.strip() and json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return f"{file}:{n}: invalid JSON ({e.msg})"
         except (OSError, UnicodeDecodeError) as e:
             return f"{file}: unreadable ({e})"
-        if file.suffix.lower() == ".json":
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as e:
-                return f"{file}:{e.lineno}: invalid JSON ({e.msg})"
-            continue
-        for n, line in enumerate(text.splitlines(), 1):
-            try:
-                line.strip() and json.loads(line)
-            except json.JSONDecodeError as e:
-                return f"{file}:{n}: invalid JSON ({e.msg})"
     return None
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def rows(table) -> Iterator[dict]:

@@ -73,23 +73,43 @@ def save_generation_config(out_dir: Path, tokenizer) -> None:
     config.save_pretrained(path)
 
 
-def positions(model) -> int | None:
-    """The model's context: its config's `max_position_embeddings`, where it has one."""
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return context if isinstance(context, int) and not isinstance(context, bool) else None
+def positions(config) -> int | None:
+    """The positions a model with this HF `config` decodes at: its `max_position_embeddings`, times the factor of a
+    RoPE scaling that extends it (linear, YaRN, ...), as vLLM derives `max_model_len`; None where the config sets no
+    such limit or scales without one (dynamic NTK)."""
+    try:
+        context = getattr(config, "max_position_embeddings", None)
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    except Exception:  # a config whose global attributes raise (per-layer ones)
+        return None
+    if not isinstance(context, int) or isinstance(context, bool):
+        return None
+    scalings = [rope] if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope) else \
+        [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []  # per layer type
+    factor = 1.0
+    for scaling in scalings:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "dynamic":
+            return None
+        if kind not in (None, "default") and isinstance(f := scaling.get("factor"), int | float) and f > factor:
+            factor = float(f)
+    return int(context * factor)
 
 
-def check_context(context: int | None, prompt_lengths: list[int], max_new_tokens: int, key: str) -> None:
-    """UserError (naming `key`) when the longest prompt plus `max_new_tokens` runs past the model's `context`
-    positions (`positions`), as vLLM refuses `max_tokens` beyond `max_model_len`: past them RoPE models decode on at
-    untrained positions, and a large value runs for hours before it says so. No check where `context` is None."""
+def check_context(context: int | None, prompt_lengths: list[int], max_new_tokens: int, key: str,
+                  names: list[str] | None = None) -> None:
+    """UserError (naming `key`, and the longest prompt by its entry in `names`) when the longest prompt plus
+    `max_new_tokens` runs past the model's `context` positions (`positions`), as vLLM refuses `max_tokens` beyond
+    `max_model_len`: past them RoPE models decode on at untrained positions, and a large value runs for hours before
+    it says so. No check where `context` is None."""
     longest = max(prompt_lengths, default=0)
     if context is not None and longest + max_new_tokens > context:
         room = context - longest
-        fix = f"give {key} {room} or less" if room > 0 else "shorten the prompt"
-        raise UserError(f"{key} {max_new_tokens}: the longest prompt is {longest} tokens and the model has "
-                        f"{context} positions (max_position_embeddings), so at most {max(room, 0)} new tokens fit. "
-                        f"Fix: {fix}.")
+        which = f" ({names[prompt_lengths.index(longest)]})" if names else ""
+        fix = f"give {key} {room} or less" if room > 0 else "shorten that prompt"
+        raise UserError(f"{key} {max_new_tokens}: the longest prompt{which} is {longest} tokens and the model has "
+                        f"{context} positions (max_position_embeddings, times any RoPE scaling factor), so at most "
+                        f"{max(room, 0)} new tokens fit. Fix: {fix}.")
 
 
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,

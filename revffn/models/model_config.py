@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 
 from revffn.errors import UserError, closest, one_line
+from revffn.models.generation import positions
 from revffn.models.loading import (
     WIDTH_KEYS,
     config_overrides,
@@ -39,6 +41,7 @@ def check_model_config(model: str, overrides: dict, key: str = "model_config", c
     """
     if not overrides:
         return
+    _BUILT.clear()
     base = hf_config(model)
     known = set(base.to_dict())
     if hasattr(base, "rope_parameters"):  # transformers 5 still takes the older keywords into rope_parameters
@@ -93,6 +96,7 @@ def check_width(model: str, layers: int | None, hidden: int | None, key: str = "
     `compute` is given, expert widths grouped_mm cannot take in it on `device` (`_stride_problem`)."""
     if hidden is None:
         return
+    _BUILT.clear()
     if problem := _width_problem(model, layers, hidden, compute, device):
         sep = "" if key.endswith("=") else " "
         fit = next((w for w in range(hidden + 1, hidden + 129)
@@ -117,13 +121,13 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shar
 
 
 def context_length(model: str, overrides: dict) -> int | None:
-    """The model's positions (`max_position_embeddings`, with `overrides`) read from its config, without building it;
+    """The model's positions (`generation.positions`, with `overrides`) read from its config, without building it;
     None where it has none or the config does not read (the build will say why)."""
     try:
-        context = _get(_config(_ref(model), overrides), "max_position_embeddings")
+        config = _config(_ref(model), overrides)
     except Exception:
         return None
-    return context if isinstance(context, int) and not isinstance(context, bool) else None
+    return positions(config)
 
 
 def _new_problem(ref: str, overrides: dict, find) -> str | None:
@@ -193,10 +197,25 @@ def _geometry_problem(ref: str, overrides: dict) -> str | None:
     return None
 
 
+_BUILT: dict[tuple[str, str], object] = {}  # the meta models of the check running now (`_meta`), least recent first
+
+
+def _meta(ref: str, overrides: dict):
+    """`meta_hf(ref, **overrides)`, built once for the checks of one call of `check_model_config` or `check_width`
+    (which empty the memo first: a directory may change between calls); the checks read it, none changes it."""
+    key = (ref, json.dumps(overrides, sort_keys=True, default=repr))
+    model = _BUILT.pop(key, None)
+    model = meta_hf(ref, **overrides) if model is None else model
+    _BUILT[key] = model  # the most recent last; the least recent of more than 4 goes (a search over widths)
+    while len(_BUILT) > 4:
+        _BUILT.pop(next(iter(_BUILT)))
+    return model
+
+
 def _build_problem(ref: str, overrides: dict) -> str | None:
     """Why the model does not build with `overrides` (on the meta device: no weights), or None."""
     try:
-        meta_hf(ref, **overrides)
+        _meta(ref, overrides)
     except UserError:
         raise
     except Exception as e:  # e.g. an activation transformers does not know, a padding id outside the vocabulary
@@ -204,14 +223,27 @@ def _build_problem(ref: str, overrides: dict) -> str | None:
     return None
 
 
-def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str, suggest: bool = True) -> str | None:
-    """An expert width whose rows torch's grouped_mm (transformers' default experts kernel, where torch has it) cannot
-    take: each row must start on a 16-byte boundary, so in `compute` every width of an expert weight is a multiple of
-    16 / its byte size (4 in fp32, 8 in bf16). Otherwise the first step fails with "strides should be multiple of 16
-    bytes". None where the widths fit or the kernel does not run (torch before 2.9 on the CPU: transformers' loop)."""
+def grouped_mm_runs(device: str) -> bool:
+    """Whether transformers' experts kernel `grouped_mm` runs on `device` ("cpu" or "cuda") with this torch, as
+    transformers decides (`integrations.moe._can_use_grouped_mm`); elsewhere it loops over the experts. A "cuda" with
+    no GPU here (an estimate) is taken to be sm80 or later."""
     if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
-        return None
-    if device == "cpu" and tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 9):
+        return False
+    version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
+    if device != "cuda":
+        return version >= (2, 9)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    if hasattr(torch.nn.functional, "grouped_mm") or version >= (2, 9):
+        return capability >= (8, 0)
+    return capability[0] == 9
+
+
+def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str, suggest: bool = True) -> str | None:
+    """An expert width whose rows torch's grouped_mm (transformers' default experts kernel) cannot take: each row must
+    start on a 16-byte boundary, so in the weights' dtype `compute` every width of an expert weight is a multiple of
+    16 / its byte size (4 in fp32, 8 in bf16). Otherwise the first step fails with "strides should be multiple of 16
+    bytes". None where the widths fit or the kernel does not run (`grouped_mm_runs`; experts of another kernel)."""
+    if not grouped_mm_runs(device):
         return None
     multiple = 16 // torch.empty((), dtype=compute).element_size()
     bad = _misaligned(ref, overrides, multiple)
@@ -232,19 +264,24 @@ def _stride_problem(ref: str, overrides: dict, compute: torch.dtype, device: str
 
 
 def _misaligned(ref: str, overrides: dict, multiple: int) -> tuple[str, list[int], list[int]] | None:
-    """The first expert weight (a 3-D parameter under `experts`) with widths not a multiple of `multiple`: its name,
-    shape and those widths."""
-    for name, p in meta_hf(ref, **overrides).named_parameters():
-        if p.dim() == 3 and "experts" in name and (bad := [d for d in p.shape[1:] if d % multiple]):
-            return name, list(p.shape), bad
+    """The first weight of an experts module that runs on grouped_mm (transformers' `use_experts_implementation`
+    classes, with `grouped_mm` their config's choice) with widths not a multiple of `multiple`: its name, shape and
+    those widths."""
+    for prefix, module in _meta(ref, overrides).named_modules():
+        if not hasattr(module, "is_concatenated") or \
+                getattr(getattr(module, "config", None), "_experts_implementation", None) != "grouped_mm":
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 3 and (bad := [d for d in p.shape[1:] if d % multiple]):
+                return f"{prefix}.{name}", list(p.shape), bad
     return None
 
 
 def _check_weight_shapes(model: str, ref: str, overrides: dict, key: str) -> None:
     """A pretrained model's stored weights still fit it: an override that changes a weight's shape is refused."""
     depth = {k: v for k, v in overrides.items() if k == "num_hidden_layers"}
-    stored = {name: p.shape for name, p in meta_hf(ref, **depth).named_parameters()}
-    for name, p in meta_hf(ref, **overrides).named_parameters():
+    stored = {name: p.shape for name, p in _meta(ref, depth).named_parameters()}
+    for name, p in _meta(ref, overrides).named_parameters():
         if name in stored and p.shape != stored[name]:
             keys = [k for k in overrides if k in SHAPE_KEYS] or [k for k in overrides if k != "num_hidden_layers"]
             changed = ", ".join(f"{k}={overrides[k]}" for k in keys)

@@ -91,8 +91,9 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     if limit is not None:
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
-    check_context(positions(model), [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
-                  max_new_tokens if prompts else 0, key)
+    check_context(positions(getattr(model, "config", None)),
+                  [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
+                  max_new_tokens if prompts else 0, key, [e.get("source", "?") for e in scored])
     n_loss, n_generate = -(-len(data.items) // batch_size), -(-len(prompts) // batch_size)
     with progress("eval loss", "batch", n_loss) as bar:  # two bars: a generation batch takes far longer
         loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,

@@ -363,7 +363,7 @@ def prepare_run(cfg) -> RunPlan:
                         "it (a tiny preset takes the tokenizer's).")
     if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`); as the model is built
         check_model_config(cfg.model, model_overrides(cfg, tokenizer),  # (a tiny preset: the tokenizer's vocabulary)
-                           compute=autocast or weights, device=device.type)
+                           compute=weights, device=device.type)  # (grouped_mm runs in the weights' dtype)
     if cfg.streaming:
         train_set = open_stream(cfg, tokenizer)
     else:
@@ -386,7 +386,7 @@ def prepare_run(cfg) -> RunPlan:
             check_context(context_length(cfg.model, model_overrides(cfg, tokenizer)),
                           [len(tokenizer(render_prompt(e["messages"][:-1], tokenizer), add_special_tokens=False)
                                ["input_ids"]) for e in scored], cfg.eval_max_new_tokens if scored else 0,
-                          "eval_max_new_tokens")
+                          "eval_max_new_tokens", [e["source"] for e in scored])
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
                    rejected, method, model_dir)
 

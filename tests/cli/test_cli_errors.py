@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from revffn import cli
+from revffn.models.model_config import grouped_mm_runs
 
 
 def test_a_prompt_that_is_not_utf8_exits_2_before_loading(capsys):
@@ -97,8 +97,7 @@ def test_a_width_train_would_refuse_is_refused_before_estimating_or_benching(tmp
     assert says in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
-@pytest.mark.skipif(not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")),
-                    reason="this torch has no grouped_mm: transformers loops over the experts")
+@pytest.mark.skipif(not grouped_mm_runs("cpu"), reason="no grouped_mm on this torch's CPU: transformers loops")
 @pytest.mark.parametrize("argv,says", [
     (["estimate", "--model", "tiny-qwen3-moe", "--method", "revffn"], "multiple of 8 in bfloat16"),  # its default
     (["estimate", "--model", "tiny-qwen3-moe", "--method", "revffn", "--dtype", "float32"], "and 22 is not"),
@@ -177,9 +176,11 @@ def test_max_new_tokens_past_the_models_positions_exits_2_before_decoding(tmp_pa
     where = ["--prompt", "say ok"] if command == "generate" else ["--data", str(data)]
     assert cli.main([command, "builtin:base", *where, "--max-new-tokens", "100000"]) == 2
     err = capsys.readouterr().err
-    assert "--max-new-tokens 100000: the longest prompt is" in err and "1024 positions" in err
+    longest = f"the longest prompt ({data}:1) is" if command == "eval" else "the longest prompt is"
+    assert f"--max-new-tokens 100000: {longest}" in err and "1024 positions" in err
     room = int(err.split("so at most ")[1].split()[0])
     assert 0 < room < 1024 and f"Fix: give --max-new-tokens {room} or less." in err
+    assert command == "eval" or "Loading weights" not in err  # generate checks from the config, before the weights
 
 
 def test_the_context_check_admits_exactly_what_fits():
@@ -190,5 +191,5 @@ def test_the_context_check_admits_exactly_what_fits():
     check_context(None, [5000], 10**6, "--max-new-tokens")  # a model with no max_position_embeddings: no check
     with pytest.raises(UserError, match="at most 23 new tokens fit. Fix: give --max-new-tokens 23 or less"):
         check_context(1024, [1001], 24, "--max-new-tokens")
-    with pytest.raises(UserError, match="at most 0 new tokens fit. Fix: shorten the prompt"):
+    with pytest.raises(UserError, match="at most 0 new tokens fit. Fix: shorten that prompt"):
         check_context(1024, [1024], 1, "--max-new-tokens")

@@ -99,8 +99,11 @@ BAD_RECORDS = {
                    ["messages[0].content[0]: a part of type 'image'", "Fix: drop the other parts"]),
     "part_not_object": ({"messages": [{"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]},
                         ["messages[0].content[0]: a str (\"q\") where a part object belongs"]),
+    "sharegpt_image_part": ({"conversations": [{"from": "human", "value": [{"type": "image"}]},
+                                               {"from": "gpt", "value": "a"}]},
+                           ["conversations[0].value[0]: a part of type 'image'"]),
     "no_parts": ({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "a"}]},
-                 ["messages[0]: an empty list of content parts. Fix:"]),
+                 ["messages[0].content: an empty list of content parts. Fix:"]),
 }
 
 

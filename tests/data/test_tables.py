@@ -142,15 +142,33 @@ def test_hf_columns_of_no_format(tmp_path, capsys):
     ({"train.json": '[{"text": "a"},\n {"text": }]'}, "/train.json:2: invalid JSON (Expecting value)"),
     ({"a.jsonl": '{"text": "a"}\n', "b.jsonl": '{"instruction": "i", "output": "o"}\n'},
      "its data files do not all have the same columns (datasets reads them as one table). Fix:"),
-], ids=["jsonl", "json", "columns"])
+    # JSON Lines in a .json file, which datasets reads: the bad file is the other one
+    ({"a.json": '{"text": "a"}\n{"text": "b"}\n', "b.jsonl": '{"text": "a"}\n{"text": }\n'},
+     "/b.jsonl:2: invalid JSON (Expecting value)"),
+    ({"a.json": '{"text": "a"}\n{"text": "b"}\n', "b.jsonl": '{"instruction": "i", "output": "o"}\n'},
+     "its data files do not all have the same columns"),
+    ({"a.jsonl": '{"text": "a"}\n', "_skip/b.jsonl": "not json", ".hidden.jsonl": "not json", "c.jsonl": "{"},
+     "/c.jsonl:1: invalid JSON"),  # (datasets skips _ and hidden paths)
+], ids=["jsonl", "json", "columns", "json_lines_in_json", "json_lines_columns", "skipped_paths"])
 def test_hf_local_directory_of_json_that_does_not_parse(tmp_path, files, says):
     """It was "An error occurred while generating the dataset", with the fix for a misspelled hub name."""
     root = tmp_path / "mydata"
     root.mkdir()
     for name, text in files.items():
+        (root / name).parent.mkdir(exist_ok=True)
         (root / name).write_text(text)
     msg = _error(f"hf:{root}")
     assert msg.startswith("data: ") and says in msg and "check NAME, CONFIG and SPLIT" not in msg
+
+
+def test_hf_local_directory_of_json_lines_in_a_json_file(tmp_path):
+    """datasets reads JSON Lines in a .json file; an error that is not about parsing keeps its own reason."""
+    root = tmp_path / "mydata"
+    root.mkdir()
+    (root / "a.json").write_text('{"text": "a"}\n{"text": "b"}\n')
+    assert [e["text"] for e in load_examples(f"hf:{root}")] == ["a", "b"]
+    msg = _error(f"hf:{root}@validation")
+    assert 'Unknown split "validation"' in msg and "invalid JSON" not in msg
 
 
 def test_hf_name_offline_and_not_cached(monkeypatch):

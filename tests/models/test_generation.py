@@ -87,3 +87,17 @@ def test_kv_cache_decoding_of_the_shipped_base_equals_recomputing(one_thread):
     for model in (CausalLM(load_hf("builtin:base")).eval(), convert(load_hf("builtin:base")).eval()):
         free = generate_ids(model, prompts, 24, stop=set(), pad_id=tok.pad_token_id, use_cache=False)
         assert generate_ids(model, prompts, 24, stop=set(), pad_id=tok.pad_token_id, use_cache=True) == free
+
+
+def test_positions_follow_the_configs_rope_scaling():
+    """As vLLM's max_model_len: max_position_embeddings times a scaling's factor; no limit under dynamic NTK."""
+    from transformers import LlamaConfig, Qwen2MoeConfig
+
+    from revffn.models.generation import positions
+
+    assert positions(Qwen2MoeConfig(max_position_embeddings=4096)) == 4096
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 4096}
+    assert positions(LlamaConfig(max_position_embeddings=4096, rope_parameters=yarn)) == 16384
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert positions(LlamaConfig(max_position_embeddings=4096, rope_parameters=dynamic)) is None
+    assert positions(None) is None and positions(object()) is None

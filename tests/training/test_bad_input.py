@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from revffn import cli
+from revffn.models.model_config import grouped_mm_runs
 from revffn.training.config import QUICKSTART
 from revffn.training.manifest import config_sha256
 from revffn.training.setup import RUN_MARKER
@@ -392,10 +392,7 @@ def test_eval_max_new_tokens_past_the_models_positions(tmp_path, capsys):
     assert cli.main(["validate", str(_cfg(tmp_path, eval_data=str(data), eval_max_new_tokens=2000))]) == 0
 
 
-GROUPED_MM = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
-
-
-@pytest.mark.skipif(not GROUPED_MM, reason="this torch has no grouped_mm: transformers loops over the experts")
+@pytest.mark.skipif(not grouped_mm_runs("cpu"), reason="no grouped_mm on this torch's CPU: transformers loops")
 @pytest.mark.parametrize("dtype,hidden,says", [
     ("float32", 42, "42 is not. Fix: hidden_size multiples of 4 (this preset derives its "
                     "expert widths from hidden_size: e.g. hidden_size=48)"),
