@@ -29,20 +29,22 @@ def stop_ids(tokenizer) -> set[int]:
 
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: set[int], pad_id: int,
-                 device="cpu", use_cache: bool = True) -> list[list[int]]:
+                 device="cpu", use_cache: bool = True, context: int | None = None) -> list[list[int]]:
     """Greedy decoding for a batch of token-id prompts (left-padded; positions follow the mask).
 
     With `use_cache` the model keeps its KV cache (`out.cache`) and each step feeds the tokens it has
     not seen; a model that returns none (a converted model whose token mixers take no cache) gets the
-    whole sequence every step, as without it. A finished sequence is padded, masked out."""
+    whole sequence every step, as without it. A finished sequence is padded, masked out. With `context`
+    (`positions`), a sequence also ends where it fills the model's positions, as it would alone."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    budget = [max_new_tokens if context is None else min(max_new_tokens, context - len(p)) for p in prompts]
+    done = torch.tensor([b <= 0 for b in budget], device=device)
     out: list[list[int]] = [[] for _ in prompts]
     stop_t = torch.tensor(sorted(stop), device=device)
     cache, seen = None, 0  # seen: the tokens of `ids` the cache holds
-    for _ in range(max_new_tokens):
+    for _ in range(max(budget)):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         step = model(ids[:, seen:], attention_mask=mask, position_ids=pos[:, seen:], logits_to_keep=1,
                      cache=cache, use_cache=use_cache)
@@ -52,7 +54,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, stop: set
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
                 out[i].append(t)
-        done |= torch.isin(nxt, stop_t)
+        done |= torch.isin(nxt, stop_t) | torch.tensor([len(o) >= b for o, b in zip(out, budget)], device=device)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
@@ -112,15 +114,26 @@ def check_context(context: int | None, prompt_lengths: list[int], max_new_tokens
                         f"{max(room, 0)} new tokens fit. Fix: {fix}.")
 
 
+def check_new_tokens(context: int | None, max_new_tokens: int, key: str) -> None:
+    """For generation over a data set (eval): UserError naming `key` when `max_new_tokens` alone leaves no position
+    for a prompt (`context` from `positions`); below that each example's generation ends where it fills the
+    positions (`generate_ids`), so one long prompt does not refuse the rest."""
+    if context is not None and max_new_tokens >= context:
+        raise UserError(f"{key} {max_new_tokens}: the model has {context} positions (max_position_embeddings, times "
+                        f"any RoPE scaling factor), prompt included. Fix: {key} {context - 1} or less (e.g. 48).")
+
+
 def generate_texts(model, tokenizer, texts: list[str], max_new_tokens: int = 64, batch_size: int = 16,
                    device=None, use_cache: bool = True, progress=None) -> list[str]:
     """Greedy completions of already-rendered prompt `texts` (see `data.templates.chat_prompts`), decoded
-    without the stop tokens; `progress(completions done)` after each batch."""
+    without the stop tokens, each ending where it fills the model's positions (`positions`) at the latest;
+    `progress(completions done)` after each batch."""
     device = device if device is not None else next(model.parameters()).device
     stop, results = stop_ids(tokenizer), []
     for i in range(0, len(texts), batch_size):
         chunk = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[i : i + batch_size]]
-        for seq in generate_ids(model, chunk, max_new_tokens, stop, tokenizer.pad_token_id, device, use_cache):
+        for seq in generate_ids(model, chunk, max_new_tokens, stop, tokenizer.pad_token_id, device, use_cache,
+                                positions(getattr(model, "config", None))):
             results.append(tokenizer.decode(seq, skip_special_tokens=True))
         if progress is not None:
             progress(len(results))

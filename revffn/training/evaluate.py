@@ -75,12 +75,12 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     """Teacher-forced loss/perplexity over all examples; accuracy over the first `limit` with answers.
 
     `match` ("exact" or "contains", see `is_match`) decides when a greedy generation is correct; the
-    report's `exact_match` is the fraction correct under it and `match` names it. A prompt with `max_new_tokens`
-    past the model's positions is refused (UserError naming `key`) before the loss pass.
+    report's `exact_match` is the fraction correct under it and `match` names it. A `max_new_tokens` that leaves no
+    position for a prompt is refused (UserError naming `key`) before the loss pass.
     """
     from revffn.data.collate import tokenize_dataset
     from revffn.data.templates import render_prompt
-    from revffn.models.generation import check_context, generate_texts, positions
+    from revffn.models.generation import check_new_tokens, generate_texts, positions
 
     if match not in MATCHES:  # before the loss pass, not after it
         raise ValueError(f"match: expected one of {', '.join(MATCHES)}, got {match!r}")
@@ -91,9 +91,8 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     if limit is not None:
         scored = scored[:limit]
     prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
-    check_context(positions(getattr(model, "config", None)),
-                  [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
-                  max_new_tokens if prompts else 0, key, [e.get("source", "?") for e in scored])
+    if prompts:
+        check_new_tokens(positions(getattr(model, "config", None)), max_new_tokens, key)
     n_loss, n_generate = -(-len(data.items) // batch_size), -(-len(prompts) // batch_size)
     with progress("eval loss", "batch", n_loss) as bar:  # two bars: a generation batch takes far longer
         loss = eval_loss(model, data, batch_size, tokenizer.pad_token_id, device, contextlib.nullcontext,

@@ -340,9 +340,8 @@ def prepare_run(cfg) -> RunPlan:
     """Validate everything that can be validated without a model. Writes nothing."""
     from revffn.data.collate import tokenize_dataset
     from revffn.data.formats import load_examples
-    from revffn.data.templates import render_prompt
     from revffn.data.tokenizer import model_tokenizer
-    from revffn.models.generation import check_context
+    from revffn.models.generation import check_new_tokens
 
     check_model_ref(cfg.model)
     method = method_class(cfg.method)
@@ -381,12 +380,9 @@ def prepare_run(cfg) -> RunPlan:
     if cfg.eval_data:
         eval_examples = load_examples(cfg.eval_data, "eval_data")
         eval_set = tokenize_dataset(eval_examples, tokenizer, cfg.max_seq_length, False, "eval_data")
-        if cfg.eval_generate_limit:  # the final exact-match eval's prompts, as `evaluate` renders them
-            scored = [e for e in eval_examples if e.get("answer") is not None][: cfg.eval_generate_limit]
-            check_context(context_length(cfg.model, model_overrides(cfg, tokenizer)),
-                          [len(tokenizer(render_prompt(e["messages"][:-1], tokenizer), add_special_tokens=False)
-                               ["input_ids"]) for e in scored], cfg.eval_max_new_tokens if scored else 0,
-                          "eval_max_new_tokens", [e["source"] for e in scored])
+        if cfg.eval_generate_limit and any(e.get("answer") is not None for e in eval_examples):  # the final eval
+            check_new_tokens(context_length(cfg.model, model_overrides(cfg, tokenizer)), cfg.eval_max_new_tokens,
+                             "eval_max_new_tokens")
     return RunPlan(run_dir, resume_from, device, weights, autocast, tokenizer, train_set, eval_set, distributed,
                    rejected, method, model_dir)
 

@@ -168,19 +168,24 @@ def test_a_flag_the_parser_refuses_is_one_line_with_its_fix(capsys, argv, says):
     assert err.startswith(f"revffn {argv[0]}: error: {says}") and f"Fix: `revffn {argv[0]} --help`" in err, err
 
 
-@pytest.mark.parametrize("command", ["generate", "eval"])
-def test_max_new_tokens_past_the_models_positions_exits_2_before_decoding(tmp_path, capsys, command):
+def test_max_new_tokens_past_the_models_positions_exits_2_before_decoding(capsys):
     # 100000 new tokens on a 1024-position model ran for more than 300 s at positions it was never trained on
-    data = tmp_path / "eval.jsonl"
-    data.write_text(json.dumps({"instruction": "say ok", "output": "ok"}) + "\n")
-    where = ["--prompt", "say ok"] if command == "generate" else ["--data", str(data)]
-    assert cli.main([command, "builtin:base", *where, "--max-new-tokens", "100000"]) == 2
+    assert cli.main(["generate", "builtin:base", "--prompt", "say ok", "--max-new-tokens", "100000"]) == 2
     err = capsys.readouterr().err
-    longest = f"the longest prompt ({data}:1) is" if command == "eval" else "the longest prompt is"
-    assert f"--max-new-tokens 100000: {longest}" in err and "1024 positions" in err
+    assert "--max-new-tokens 100000: the longest prompt is" in err and "1024 positions" in err
     room = int(err.split("so at most ")[1].split()[0])
     assert 0 < room < 1024 and f"Fix: give --max-new-tokens {room} or less." in err
-    assert command == "eval" or "Loading weights" not in err  # generate checks from the config, before the weights
+    assert "Loading weights" not in err  # checked from the config, before the weights are read
+
+
+def test_eval_max_new_tokens_that_leaves_no_position_for_a_prompt(tmp_path, capsys):
+    """Over a data set, one long prompt does not refuse the rest (its generation ends at the positions): only a value
+    no prompt fits beside is refused."""
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"instruction": "say ok", "output": "ok"}) + "\n")
+    assert cli.main(["eval", "builtin:base", "--data", str(data), "--max-new-tokens", "1024"]) == 2
+    assert ("--max-new-tokens 1024: the model has 1024 positions (max_position_embeddings, times any RoPE scaling "
+            "factor), prompt included. Fix: --max-new-tokens 1023 or less (e.g. 48).") in capsys.readouterr().err
 
 
 def test_the_context_check_admits_exactly_what_fits():

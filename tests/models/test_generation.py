@@ -41,6 +41,19 @@ def test_generation_stops_per_sequence_at_a_stop_token():
         assert seq == ref[: ref.index(stop)] if stop in ref else seq == ref
 
 
+def test_generation_ends_where_a_sequence_fills_the_models_positions():
+    """Each sequence stops at the context, by its own length (prompts of 3, 9 and 6 tokens, 12 positions), with the
+    tokens it would have decoded without the limit, in a batch as alone; a prompt that fills it decodes nothing."""
+    model = CausalLM(tiny_model("tiny-qwen2-moe", num_hidden_layers=2)).eval()
+    prompts = _prompts()
+    free = generate_ids(model, prompts, 8, stop=set(), pad_id=0)
+    capped = generate_ids(model, prompts, 8, stop=set(), pad_id=0, context=12)
+    assert [len(seq) for seq in capped] == [8, 3, 6]
+    assert capped == [ref[: len(seq)] for seq, ref in zip(capped, free)]
+    assert capped == [generate_ids(model, [p], 8, stop=set(), pad_id=0, context=12)[0] for p in prompts]
+    assert generate_ids(model, prompts, 8, stop=set(), pad_id=0, context=9) == [free[0][:6], [], free[2][:3]]
+
+
 def _both(name: str):
     """The plain HF model and the converted one (its own weights), eval mode."""
     return (CausalLM(tiny_model(name, num_hidden_layers=2)).eval(),

@@ -386,8 +386,8 @@ def test_eval_max_new_tokens_past_the_models_positions(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"ok {i}"}) + "\n" for i in range(8)))
     cfg = _cfg(tmp_path, eval_data=str(data), eval_max_new_tokens=100000)
-    _fails(capsys, ["train", str(cfg)], "eval_max_new_tokens 100000:", "2048 positions",
-           "Fix: give eval_max_new_tokens")
+    _fails(capsys, ["train", str(cfg)], "eval_max_new_tokens 100000: the model has 2048 positions",
+           "Fix: eval_max_new_tokens 2047 or less")
     assert not (tmp_path / "run").exists()
     assert cli.main(["validate", str(_cfg(tmp_path, eval_data=str(data), eval_max_new_tokens=2000))]) == 0
 
