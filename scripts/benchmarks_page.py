@@ -383,6 +383,9 @@ def run_all(run=subprocess.run) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if argv[:1] == ["--run"]:
         run_all()
         argv = argv[1:]

@@ -13,7 +13,6 @@ with FSDP, and the fewest 80GB GPUs FSDP fits on (`revffn.memory.estimate.gpus_n
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from revffn.memory.estimate import estimate, gpus_needed
@@ -53,7 +52,12 @@ def write_readme(text: str, readme: Path = ROOT / "docs" / "memory.md") -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="also write the table into docs/memory.md")
+    args = parser.parse_args()
     out = table()
     print(out, end="")
-    if "--readme" in sys.argv[1:]:
+    if args.readme:
         write_readme(out)

@@ -81,9 +81,12 @@ def render(text: str) -> str:
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when README.md is not current; write nothing")
+    args = p.parse_args()
     current = README.read_text()
     fresh = render(current)
-    if "--check" in sys.argv[1:]:
+    if args.check:
         if fresh != current:
             print("README.md: the generated tables are stale. Fix: python scripts/readme_tables.py", file=sys.stderr)
             return 1

@@ -545,8 +545,12 @@ class RevFFNMethod(Method):
         (max(1, recompute_chunk_tokens // T) of the B). F and G are summed, as without chunking: the
         layer's saved bytes, which the estimate is calibrated on (`tests/memory`).
 
-        The buffered coupling (`_buffered_terms`) instead: no adapters and no stage 1."""
+        The buffered coupling (`_buffered_terms`) instead: no adapters and no stage 1 (`stage=1` refused: it was
+        ignored, and the estimate read as a heal step's)."""
         if coupling == "buffered":
+            if stage == 1:
+                raise UserError("--option stage=1: the buffered coupling (the default) has no stage 1: no adapters, "
+                                "nothing to heal. Fix: drop stage=1, or add --option coupling=additive.")
             return cls._buffered_terms(ctx, freeze_router, buffer_bits, recompute_chunk_tokens, distill_coef)
         m, s, N, counts = ctx.m, ctx.s, ctx.N, ctx.counts
         # auto picks float32 or float64 from the weights, which an estimate does not read: counted as float32 (what

@@ -1,6 +1,6 @@
 """Data parallelism over torchrun's processes: the strategy, the process group, DDP and FSDP2.
 
-    torchrun --nproc-per-node N $(which revffn) train CONFIG distributed=ddp|fsdp
+    torchrun --nproc-per-node N -m revffn train CONFIG distributed=ddp|fsdp
 
 `pick_distributed` reads the `distributed` key (and `auto` from torchrun's environment) and refuses
 what a strategy cannot run exactly. `init_distributed` joins the process group: NCCL on CUDA, gloo
@@ -59,7 +59,7 @@ def pick_distributed(cfg, method: type[Method] | None = None) -> str:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cfg.distributed in STRATEGIES and not launched:
         raise UserError(f"distributed: {cfg.distributed} needs the processes torchrun starts (no RANK/WORLD_SIZE "
-                        "in the environment). Fix: torchrun --nproc-per-node N $(which revffn) train CONFIG "
+                        "in the environment). Fix: torchrun --nproc-per-node N -m revffn train CONFIG "
                         f"distributed={cfg.distributed}, or distributed=none for one process.")
     if cfg.distributed == "none" and world > 1:
         raise UserError(f"distributed: none, but torchrun started {world} processes, which would each train and "

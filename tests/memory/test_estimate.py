@@ -230,6 +230,17 @@ def test_unknown_preset_method_and_option():
         estimate(config, "full", 1, 8, dtype="float8")
 
 
+def test_stage_1_of_the_buffered_coupling_is_refused():
+    """It was ignored, and the estimate (113.5 GiB on Qwen1.5-MoE-A2.7B, batch 8 x 128) read as a heal step's."""
+    config = hf_config("qwen1.5-moe-a2.7b")
+    with pytest.raises(UserError, match="--option stage=1: the buffered coupling .* Fix: drop stage=1, or add "
+                                        "--option coupling=additive"):
+        estimate(config, "revffn", 8, 128, "bfloat16", stage=1, coupling="buffered")
+    heal = estimate(config, "revffn", 8, 128, "bfloat16", stage=1, coupling="additive")
+    joint = estimate(config, "revffn", 8, 128, "bfloat16", stage=2, coupling="additive")
+    assert heal["trainable_params"] < joint["trainable_params"] / 10 and heal["total"] < joint["total"] / 2
+
+
 def test_load_config_from_directory(tmp_path):
     hf_config("tiny-mixtral", num_hidden_layers=3).save_pretrained(tmp_path)
     config = hf_config(str(tmp_path))

@@ -42,7 +42,7 @@ def test_config_validates(path, capsys, tmp_path, monkeypatch):
     import yaml
 
     first = path.read_text().splitlines()[0]
-    launch = re.fullmatch(rf"# (?:torchrun --nproc-per-node (\d+) \$\(which revffn\)|revffn) train configs/"
+    launch = re.fullmatch(rf"# (?:torchrun --nproc-per-node (\d+) -m revffn|revffn) train configs/"
                           rf"{re.escape(path.name)}", first)
     assert launch, first
     if launch[1]:
