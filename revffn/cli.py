@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import DiskFull, UserError, disk_fault, one_line
 from revffn.models.cache import file_in_the_way
+from revffn.progress import quiet_known_noise
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
@@ -197,7 +197,16 @@ def cmd_study(args) -> int:
     if args.render:
         if not (out / "study.json").is_file():
             raise UserError(f"--out {args.out}: no study.json there to render. Fix: give the --out DIR of a study.")
-        written = write_study(json.loads((out / "study.json").read_text()), out, docs)
+        try:
+            data = json.loads((out / "study.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:  # cut short, or not JSON
+            raise UserError(f"--out {args.out}: study.json is not JSON ({e}). Fix: give the --out DIR of a study that "
+                            "finished, or run the study again.") from None
+        missing = [k for k in ("plan", "runs", "summary", "chosen_lr") if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise UserError(f"--out {args.out}: study.json is not a study revffn wrote (no {', '.join(missing)}). Fix: "
+                            "give the --out DIR of a study that finished, or run the study again.")
+        written = write_study(data, out, docs)
     else:
         check_out_dir(args.out, "the study's runs, study.json and its page")
         if (out / "study.json").exists():
@@ -205,9 +214,13 @@ def cmd_study(args) -> int:
                             "delete it first.")
         methods = tuple(args.methods.split(",")) if args.methods else None
         if args.base:  # here, where a Hub ID may still download: the study's processes run offline
-            from revffn.models.loading import check_model_ref, resolve_model_ref
+            from revffn.models.loading import check_model_ref, model_kind, resolve_model_ref
 
             check_model_ref(args.base, "--base")
+            if model_kind(args.base) in ("tiny", "config"):  # each of its runs failed, then the page did
+                raise UserError(f"--base {args.base}: a preset built with random weights; a study measures what "
+                                "fine-tuning keeps of a pretrained model. Fix: leave --base out (builtin:base), or "
+                                "builtin:smollm2, builtin:smollm2-moe or a pretrained model's directory or Hub ID.")
             resolve_model_ref(args.base, "--base")
         seeds = tuple(range(args.seeds)) if args.seeds else None
         plan = plan_for(args.quick, args.base, heal_steps=args.heal_steps or 0, methods=methods, jobs=args.jobs,
@@ -394,13 +407,16 @@ def _tokenizer_for_cli(model_dir: str):
     """(the model's reference, resolved: a tiny preset's name or a directory; its tokenizer), no weights read."""
     from revffn.data.tokenizer import load_tokenizer
     from revffn.models.loading import check_model_ref, resolve_model_ref
+    from revffn.models.model_config import check_vocabulary
     from revffn.models.presets import TINY_PRESETS
 
     check_model_ref(model_dir, "MODEL_DIR")
     if model_dir in TINY_PRESETS:
         return model_dir, load_tokenizer(None)
     model_dir = resolve_model_ref(model_dir, "MODEL_DIR")
-    return model_dir, load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    check_vocabulary(model_dir, tokenizer, "MODEL_DIR")
+    return model_dir, tokenizer
 
 
 def _model_for_cli(ref: str, tok, seed: int = 0):
@@ -684,29 +700,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-seq-length", type=_sequence_length, default=512)
     e.set_defaults(fn=cmd_eval)
     return p
-
-
-class _KnownNoise(logging.Filter):
-    """Third-party log lines that do not apply to a revffn command, dropped where they are logged: torchao's
-    CUDA-only kernels (`torchao/_C*.so`) failing to load under a CPU build of torch, and torch's deprecation
-    note on `register_constant` for Enum types (torchao registers its Enums at import; transformers imports
-    torchao whenever it is installed). Installed by `main` only: the report workers' output is captured."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if msg.startswith("Failed to load") and "torchao" in msg and "/_C" in msg:
-            import torch
-
-            return torch.version.cuda is not None  # a CUDA build: the kernels could apply, so keep the line
-        return "is an Enum subclass and is now natively supported by torch.compile" not in msg
-
-
-def quiet_known_noise() -> None:
-    """Install `_KnownNoise` on the loggers that emit it (idempotent)."""
-    for name in ("torchao", "torch.utils._pytree"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
-            logger.addFilter(_KnownNoise())
 
 
 class _Interrupts:

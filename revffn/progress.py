@@ -17,6 +17,7 @@ rate from there).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -93,3 +94,27 @@ def progress(desc: str, unit: str, total: int | None = None, file: TextIO | None
             tty.update(done - tty.n)
 
         yield update
+
+
+class _KnownNoise(logging.Filter):
+    """Third-party log lines that do not apply to a revffn command, dropped where they are logged: torchao's
+    CUDA-only kernels (`torchao/_C*.so`) failing to load under a CPU build of torch, and torch's deprecation
+    note on `register_constant` for Enum types (torchao registers its Enums at import; transformers imports
+    torchao whenever it is installed). Installed by `cli.main` and `python -m revffn.reports.lm_eval_task` (the
+    report workers' output is captured)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg.startswith("Failed to load") and "torchao" in msg and "/_C" in msg:
+            import torch
+
+            return torch.version.cuda is not None  # a CUDA build: the kernels could apply, so keep the line
+        return "is an Enum subclass and is now natively supported by torch.compile" not in msg
+
+
+def quiet_known_noise() -> None:
+    """Install `_KnownNoise` on the loggers that emit it (idempotent)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+            logger.addFilter(_KnownNoise())

@@ -92,6 +92,12 @@ class Method:
         return cls.ACCEPTS_CONVERTED
 
     @classmethod
+    def model_defaults(cls, model: str) -> dict:
+        """Defaults of this method's options that `model` decides (the structure a converted directory was written
+        with); a config's own values win. Default: none."""
+        return {}
+
+    @classmethod
     def validate(cls, cfg) -> None:
         """Cross-key checks beyond types and ranges; raise UserError."""
 

@@ -200,6 +200,18 @@ class RevFFNMethod(Method):
         return min(max(1, round(opts["adapter_warmup_ratio"] * max_steps)), max_steps - 1)
 
     @classmethod
+    def model_defaults(cls, model: str) -> dict:
+        """A converted directory is trained as it is: the structure it was written with is the default (`validate`
+        refuses a config that asks for another)."""
+        from revffn.models.loading import converted_option, is_converted
+
+        if not isinstance(model, str) or not is_converted(model):
+            return {}
+        coupling = converted_option(model, "coupling")
+        structure = ("buffer_bits", "buffer_momentum") if coupling == "buffered" else ("adapter_skip", "stream_width")
+        return {"coupling": coupling, **{name: converted_option(model, name) for name in structure}}
+
+    @classmethod
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
         opts["adapter_warmup_steps"] = cls.warmup_steps(opts, cfg.max_steps)

@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -67,13 +67,16 @@ def check(path: Path, items: list, model_ref: str) -> dict | None:
         raise UserError(f"{KEY}={str(path)!r} is a file, not a directory. Fix: point {KEY} at a new or empty "
                         "directory (or leave it empty for OUTPUT_DIR/teacher_cache).")
     if (path / "manifest.json").is_file():
-        held = json.loads((path / "manifest.json").read_text())
+        held = _read(path, lambda: json.loads((path / "manifest.json").read_text()))
+        if not isinstance(held, dict):
+            raise _damaged(path, f"manifest.json holds {type(held).__name__}, not the object a cache writes")
         for field in ("format", "model", "data_sha256"):
             if held.get(field) != want[field]:
                 raise UserError(
                     f"{KEY}={str(path)!r}: the cached teacher was computed for another "
                     f"{'data set' if field == 'data_sha256' else field} ({field} {held.get(field)!r}, this run's "
                     f"{want[field]!r}). Fix: point {KEY} at a new directory, or delete {path} to recompute it.")
+        _read(path, lambda: _rank_files(path, held))  # each rank's states and index open, before the run writes
         return None
     stray = [p.name for p in path.iterdir() if not p.name.startswith(("hidden-r", "index-r", "."))] \
         if path.is_dir() else []
@@ -81,6 +84,31 @@ def check(path: Path, items: list, model_ref: str) -> dict | None:
         raise UserError(f"{KEY}={str(path)!r} holds files that are not a teacher cache ({', '.join(stray[:3])}). "
                         f"Fix: point {KEY} at a new or empty directory.")
     return want
+
+
+def _rank_files(path: Path, manifest: dict) -> tuple[list, dict[str, tuple[int, int, int]]]:
+    """The open states file of each rank the cache was built by, and the index: example key -> (rank, first row,
+    length)."""
+    files, index = [], {}
+    for r in range(manifest["world"]):
+        files.append(safe_open(str(path / f"hidden-r{r}.safetensors"), framework="pt"))
+        for key, start, length in json.loads((path / f"index-r{r}.json").read_text()):
+            index[key] = (r, start, length)
+    return files, index
+
+
+def _read(path: Path, read):
+    """`read()`, a damaged or cut-short cache's error (unparseable JSON, a missing or garbled file) as the UserError
+    naming it."""
+    try:
+        return read()
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise _damaged(path, f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    return UserError(f"{KEY}={str(path)!r}: the cached teacher is damaged ({why}). Fix: delete {path} to compute it "
+                     f"again, or point {KEY} at a new directory.")
 
 
 def _barrier() -> None:
@@ -94,12 +122,7 @@ class TeacherCache:
 
     def __init__(self, path: Path, manifest: dict, head: nn.Module):
         self.path, self.manifest, self.head = path, manifest, head
-        self.index: dict[str, tuple[int, int, int]] = {}  # example key -> (rank file, first row, length)
-        self.files = []
-        for r in range(manifest["world"]):
-            self.files.append(safe_open(str(path / f"hidden-r{r}.safetensors"), framework="pt"))
-            for key, start, length in json.loads((path / f"index-r{r}.json").read_text()):
-                self.index[key] = (r, start, length)
+        self.files, self.index = _read(path, lambda: _rank_files(path, manifest))  # (example key -> rank, row, length)
 
     @classmethod
     def open(cls, path: Path, model: nn.Module, items: list, model_ref: str) -> TeacherCache:

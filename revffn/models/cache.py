@@ -110,15 +110,25 @@ def file_in_the_way(path: Path) -> Path | None:
 
 def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: str | None = None) -> None:
     """`out` may be written by `staged_dir`: absent or empty, or (with `overwrite`) a model directory revffn wrote
-    (its revffn.json), not the model directory `source` it is written from. Anything else is refused, naming what
-    would have been deleted."""
-    out = Path(out)
-    if source is not None and out.is_dir() and Path(source).expanduser().is_dir() and \
-            out.resolve() == Path(source).expanduser().resolve():
-        raise UserError(f"{flag}: {str(out)!r} is MODEL itself: writing there would replace the model it is made "
-                        "from. Nothing was written. Fix: a new directory for the result.")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{flag}: {str(out)!r} is a file. Nothing was written. Fix: give a directory path.")
+    (its revffn.json), neither the model directory `source` it is written from nor one holding it, and a directory
+    this user can make (no file in the way, a writable parent). Anything else is refused before any work, naming
+    what would have been deleted."""
+    out = Path(out).expanduser()
+    model = Path(source).expanduser() if source is not None else None
+    if model is not None and out.is_dir() and model.exists() and \
+            (out.resolve() == model.resolve() or out.resolve() in model.resolve().parents):
+        what = "is MODEL itself" if out.resolve() == model.resolve() else f"holds MODEL ({source})"
+        raise UserError(f"{flag}: {str(out)!r} {what}: writing there would replace the model it is made from. "
+                        "Nothing was written. Fix: a new directory for the result, outside MODEL's.")
+    if (blocker := file_in_the_way(out)) is not None:
+        what = "is a file" if blocker == out else f"cannot be a directory: {blocker} is a file"
+        raise UserError(f"{flag}: {str(out)!r} {what}. Nothing was written. Fix: give a directory path.")
+    nearest = next(p for p in out.absolute().parents if p.exists())  # where `staged_dir` makes its first directory
+    try:  # made and removed: os.access trusts root, even on /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".revffn-probe-", dir=nearest))
+    except OSError as e:
+        raise UserError(f"{flag}: {str(out)!r} cannot be written: {e.strerror or e} in {str(nearest)!r}. Nothing "
+                        "was written. Fix: a directory you can write to.") from None
     entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []
     if not entries:
         return

@@ -130,6 +130,22 @@ def context_length(model: str, overrides: dict) -> int | None:
     return positions(config)
 
 
+def check_vocabulary(model: str, tokenizer, key: str) -> None:
+    """UserError naming `key` when `tokenizer` has more tokens than `model`'s config has embeddings (`vocab_size`):
+    an id from vocab_size on fails in the embedding with an IndexError (a directory saved without its tokenizer reads
+    the shipped one, 2048 tokens). A tiny preset is built with the tokenizer's vocabulary: nothing to check."""
+    if model_kind(model) == "tiny":
+        return
+    try:
+        vocab = _get(_config(_ref(model), {}), "vocab_size")
+    except Exception:  # a config that does not read: the load will say why
+        return
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and len(tokenizer) > vocab:
+        raise UserError(f"{key}: its tokenizer has {len(tokenizer)} tokens but the model's config.json has vocab_size "
+                        f"{vocab}: the ids from {vocab} on have no embedding. Fix: save the model's own tokenizer in "
+                        "its directory (tokenizer.save_pretrained), or give the one it was trained with.")
+
+
 def _new_problem(ref: str, overrides: dict, find) -> str | None:
     """`find(ref, overrides)`'s problem where the model without the overrides has none (one it has already is not
     the overrides' doing: training will tell)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -89,21 +90,42 @@ def loglikelihoods(model, tokenizer, rows: list[dict]) -> list[float]:
     return scores
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (Fix: e.g. --limit 100)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} examples: at least 1 (Fix: leave it out for every example)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from revffn.data.formats import load_examples
     from revffn.data.tokenizer import load_tokenizer
-    from revffn.models.loading import load
+    from revffn.models.cache import file_in_the_way
+    from revffn.models.loading import check_model_ref, load
+    from revffn.progress import quiet_known_noise
 
+    quiet_known_noise()
     p = argparse.ArgumentParser(prog="python -m revffn.reports.lm_eval_task",
                                 description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     p.add_argument("model_dir", help="a run's final/ (or any model directory revffn loads)")
     p.add_argument("--data", required=True, help="examples to score (a file or builtin:NAME)")
     p.add_argument("--out", required=True, help="directory for NAME.yaml and NAME.jsonl (lm-eval's --include_path)")
     p.add_argument("--name", help="task name (default: revffn_ + the data file's stem)")
-    p.add_argument("--limit", type=int, help="first N examples only")
+    p.add_argument("--limit", type=_positive, help="first N examples only (at least 1)")
     p.add_argument("--score", action="store_true", help="add revffn's own loglikelihood to each row")
     args = p.parse_args(argv)
+    name = args.name if args.name is not None else "revffn_" + Path(args.data.removeprefix("builtin:")).stem
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        p.error(f"--name {name!r}: a task name is letters, digits, '_', '.' and '-' (it names NAME.yaml and "
+                "NAME.jsonl inside --out), starting with a letter or digit. Fix: e.g. --name revffn_mytask")
+    if (blocker := file_in_the_way(Path(args.out))) is not None:
+        p.error(f"--out {args.out}: {'is a file' if blocker == Path(args.out) else f'{blocker} is a file'}. Fix: a "
+                "directory for NAME.yaml and NAME.jsonl.")
     try:
+        check_model_ref(args.model_dir, "MODEL_DIR")
         tokenizer = load_tokenizer(args.model_dir)
         examples = load_examples(args.data, "data")[: args.limit]
         rows = task_rows(examples, tokenizer)
@@ -113,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
-    name = args.name or "revffn_" + Path(args.data.removeprefix("builtin:")).stem
     path = write_task(rows, args.out, name)
     print(f"wrote {path} ({len(rows)} requests). Run:\n  HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval --model hf "
           f"--model_args pretrained={args.model_dir},trust_remote_code=True,dtype=float32 --include_path "

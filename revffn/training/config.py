@@ -319,6 +319,18 @@ def _merge(base: dict, over: dict) -> dict:
     return merged
 
 
+def _model_defaults(method: str, data: dict) -> dict:
+    """The defaults of `method`'s options that the config's model decides (`Method.model_defaults`: a converted
+    directory's structure); none where the model reference does not read (its own check reports it)."""
+    from revffn.methods import METHODS
+
+    try:
+        model = coerce(data["model"], SCHEMA["model"]) if "model" in data else SCHEMA["model"].default
+        return METHODS[method].model_defaults(model) if isinstance(model, str) else {}
+    except Exception:
+        return {}
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> TrainConfig:
     """Read, override and validate a training config. `path=None` is the built-in quickstart, whose `eval_data` (its
     own task's test split) goes with its `data`: a `data` override without an `eval_data` one evaluates on nothing,
@@ -368,7 +380,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
                 if msg:
                     problems.append(where(full) + msg)
                 sec[sk] = sv
-            sections[k] = {sk: key.default for sk, key in section_schemas[k].items()} | sec
+            sections[k] = {sk: key.default for sk, key in section_schemas[k].items()} | _model_defaults(k, data) | sec
         else:
             known = list(SCHEMA) + list(section_schemas)
             problems.append(f"{where(k)}unknown key {shown(k)}.{closest(str(k), known)} Fix: remove it, or use a key "
@@ -390,7 +402,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
         problems.append(f"{where('method')}method: unknown method {shown(method)}.{closest(method, METHODS)} "
                         f"Fix: one of {', '.join(METHODS)}.")
     for name, schema in section_schemas.items():
-        sections.setdefault(name, {sk: key.default for sk, key in schema.items()})
+        sections.setdefault(name, {sk: key.default for sk, key in schema.items()} | _model_defaults(name, data))
     if problems:
         head = f"{len(problems)} problem{'s' * (len(problems) > 1)} in the config:\n  - " if len(problems) > 1 else ""
         raise UserError(head + "\n  - ".join(problems))

@@ -46,6 +46,7 @@ from revffn.models.cache import check_replaceable
 from revffn.models.generation import save_generation_config
 from revffn.models.hf_remote import save_converted
 from revffn.models.loading import check_model_ref, is_converted, load_hf
+from revffn.models.model_config import check_vocabulary
 from revffn.models.presets import TINY_PRESETS
 from revffn.progress import progress
 from revffn.reversible.buffered import DEFAULT_BUFFER_BITS, DEFAULT_MOMENTUM, MOMENTUM_SIGNS
@@ -133,6 +134,7 @@ def validate(spec: ConvertSpec):
                         "positive weight.")
     check_replaceable(Path(spec.out), spec.overwrite, source=spec.model)
     tokenizer = model_tokenizer(spec.model)  # (a Hub ID: its tokenizer files only, not the weights yet)
+    check_vocabulary(spec.model, tokenizer, "MODEL")
     if spec.calibration_data != SELF:
         file_rows(spec.calibration_data, tokenizer, spec.calibration_tokens, "--calibration-data",
                   budget_key="--calibration-tokens")

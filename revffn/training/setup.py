@@ -27,7 +27,7 @@ from revffn.errors import UserError
 from revffn.methods import method_class
 from revffn.models.cache import file_in_the_way
 from revffn.models.loading import check_model_ref, is_converted, resolve_model_ref
-from revffn.models.model_config import check_model_config, context_length
+from revffn.models.model_config import check_model_config, check_vocabulary, context_length
 from revffn.models.presets import TINY_PRESETS
 from revffn.training.checkpoint import checkpoint_dirs, is_sharded_checkpoint, newest_verified, read_trainer_state
 from revffn.training.config import MATH_KEYS_ADDED, NOT_READ, math_config
@@ -360,6 +360,8 @@ def prepare_run(cfg) -> RunPlan:
         raise UserError(f"model_config.vocab_size: {vocab} is below the tokenizer's {len(tokenizer)} tokens: the ids "
                         f"above it have no embedding. Fix: model_config.vocab_size={len(tokenizer)} or more, or drop "
                         "it (a tiny preset takes the tokenizer's).")
+    if "vocab_size" not in cfg.model_config:
+        check_vocabulary(cfg.model, tokenizer, "model")
     if not is_converted(cfg.model):  # (a converted model refuses any: `check_converted`); as the model is built
         check_model_config(cfg.model, model_overrides(cfg, tokenizer),  # (a tiny preset: the tokenizer's vocabulary)
                            compute=weights, device=device.type)  # (grouped_mm runs in the weights' dtype)

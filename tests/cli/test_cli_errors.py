@@ -198,3 +198,27 @@ def test_the_context_check_admits_exactly_what_fits():
         check_context(1024, [1001], 24, "--max-new-tokens")
     with pytest.raises(UserError, match="at most 0 new tokens fit. Fix: shorten that prompt"):
         check_context(1024, [1024], 1, "--max-new-tokens")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, capsys):
+    """eval, generate and convert ended in "IndexError: index out of range in self" from the embedding; train too."""
+    from transformers import AutoModelForCausalLM
+
+    from revffn.data.tokenizer import load_tokenizer
+    from revffn.models.loading import hf_config
+
+    model = tmp_path / "small-vocab"
+    AutoModelForCausalLM.from_config(hf_config("tiny-mixtral", vocab_size=512, num_hidden_layers=1)).save_pretrained(
+        model)
+    load_tokenizer(None).save_pretrained(model)  # the shipped tokenizer: 2048 tokens
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "say ok", "output": "ok"}) + "\n")
+    says = "its tokenizer has 2048 tokens but the model's config.json has vocab_size 512: the ids from 512 on have no"
+    for argv, key in ((["eval", str(model), "--data", str(data)], "MODEL_DIR"),
+                      (["generate", str(model), "--prompt", "hi"], "MODEL_DIR"),
+                      (["convert", str(model), "--out", str(tmp_path / "out")], "MODEL"),
+                      (["validate", "", f"model={model}", f"data={data}", "method=full",
+                        f"output_dir={tmp_path / 'run'}"], "model")):
+        assert cli.main(argv) == 2
+        assert f"error: {key}: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()

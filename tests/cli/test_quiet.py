@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from revffn.cli import _KnownNoise, quiet_known_noise
+from revffn.progress import _KnownNoise, quiet_known_noise
 
 
 def _record(name: str, msg: str) -> logging.LogRecord:

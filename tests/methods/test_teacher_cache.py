@@ -101,6 +101,29 @@ def test_a_cache_of_other_data_exits_2_and_a_cut_build_is_rebuilt(tmp_path, caps
     assert json.loads((cache / "manifest.json").read_text())["data_sha256"] != first  # computed on the new data
 
 
+@pytest.mark.parametrize("damage", ["manifest_cut", "manifest_list", "states_garbage", "index_missing"])
+def test_a_damaged_cache_exits_2_before_the_run_writes(tmp_path, capsys, damage):
+    """Each was a traceback (JSONDecodeError, AttributeError, SafetensorError), the last two after the run directory
+    was written."""
+    cache = tmp_path / "cache"
+    args = ["revffn.distill_teacher=cached", f"revffn.teacher_cache={cache}", "max_steps=2"]
+    _train(tmp_path / "first", *args)
+    if damage == "manifest_cut":
+        (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:20])
+    elif damage == "manifest_list":
+        (cache / "manifest.json").write_text("[]")
+    elif damage == "states_garbage":
+        (cache / "hidden-r0.safetensors").write_bytes(b"not a safetensors file")
+    else:
+        (cache / "index-r0.json").unlink()
+    for command in ("validate", "train"):
+        assert main([command, "", *TINY, *args, f"output_dir={tmp_path / 'second'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"revffn.teacher_cache={str(cache)!r}: the cached teacher is damaged (" in err, err
+        assert f"Fix: delete {cache} to compute it again" in err and "Traceback" not in err
+    assert not (tmp_path / "second").exists()
+
+
 def test_streaming_with_a_cached_teacher_is_refused():
     with pytest.raises(UserError, match="revffn.distill_teacher=cached.*Fix: revffn.distill_teacher=copy"):
         load_config(None, [*TINY, "revffn.distill_teacher=cached", "streaming=true", "output_dir=unused"])

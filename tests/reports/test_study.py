@@ -74,6 +74,22 @@ def test_study_refuses_an_existing_study_and_rerenders(quick, capsys):
     assert cli.main(["study", "--out", str(quick / "empty"), "--render"]) == 2
 
 
+@pytest.mark.parametrize("text,says", [("{bad", "study.json is not JSON ("),
+                                       ("{}", "study.json is not a study revffn wrote (no plan, runs, summary")])
+def test_render_of_a_damaged_study_json_exits_2(tmp_path, capsys, text, says):
+    """A JSONDecodeError and a KeyError('plan') traceback before."""
+    (tmp_path / "study.json").write_text(text)
+    assert cli.main(["study", "--out", str(tmp_path), "--render"]) == 2
+    assert says in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]
+
+
+def test_a_random_preset_as_the_base_is_refused(tmp_path, capsys):
+    """Every run failed on its tokenizer, then the page with a TypeError (exit 1, study.json and plots left)."""
+    assert cli.main(["study", "--quick", "--out", str(tmp_path / "s"), "--base", "tiny-qwen2-moe"]) == 2
+    assert "--base tiny-qwen2-moe: a preset built with random weights" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
 def test_a_failing_method_is_an_error_row_and_exit_1(tmp_path, monkeypatch):
     """The real worker in a fresh process, with lora's runs made to fail (`faulty_study_worker`)."""
     monkeypatch.setattr(study, "WORKER_MODULE", "tests.reports.faulty_study_worker")

@@ -338,4 +338,39 @@ def test_convert_over_its_own_model_directory_is_refused(tmp_path, capsys):
     for argv in ([*CONVERT, str(full / "final")], ["upcycle", str(full / "final"), "--experts", "2", "--top-k", "1"]):
         assert main([*argv, "--out", str(full / "final"), "--overwrite"]) == 2
         assert "is MODEL itself" in capsys.readouterr().err
+        # --out a directory holding MODEL: --overwrite replaced it, deleting the model with it
+        assert main([*argv, "--out", str(full), "--overwrite"]) == 2
+        assert f"holds MODEL ({full / 'final'})" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in (full / "final").iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("command", ["convert", "upcycle"])
+def test_an_out_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys, command):
+    """Each was a FileExistsError or FileNotFoundError traceback from staged_dir, after the whole conversion."""
+    (tmp_path / "afile").write_text("mine")
+    argv = [*CONVERT, "tiny-qwen2-moe"] if command == "convert" else ["upcycle", "builtin:base", "--experts", "2",
+                                                                       "--top-k", "1"]
+    assert main([*argv, "--out", str(tmp_path / "afile" / "sub")]) == 2
+    assert f"cannot be a directory: {tmp_path / 'afile'} is a file. Nothing was written." in capsys.readouterr().err
+    assert main([*argv, "--out", "/proc/revffn-nope"]) == 2  # (root may write anywhere but there)
+    assert "cannot be written: " in capsys.readouterr().err and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_converted_directory_is_the_default_structure_of_its_run(tmp_path, capsys):
+    """`revffn train model=DIR method=revffn` was refused for an additive conversion ("revffn.coupling=buffered: ...
+    was converted with coupling=additive") though the config never named a coupling: the default was the method's."""
+    from revffn.training.config import load_config
+
+    additive, buffered = tmp_path / "additive", tmp_path / "buffered"
+    assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(additive), "--calibration-tokens", "256"]) == 0
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(buffered), "--buffer-bits", "4"]) == 0
+    opts = load_config(None, [f"model={additive}", "method=revffn"]).section("revffn")
+    assert (opts["coupling"], opts["adapter_skip"], opts["stream_width"]) == ("additive", True, "full")
+    opts = load_config(None, [f"model={buffered}", "method=revffn"]).section("revffn")
+    assert (opts["coupling"], opts["buffer_bits"]) == ("buffered", 4)
+    assert load_config(None, ["model=tiny-qwen2-moe", "method=revffn"]).section("revffn")["buffer_bits"] == 6
+    capsys.readouterr()
+    assert main(["validate", "", f"model={additive}", "method=revffn", "revffn.coupling=buffered",
+                 f"output_dir={tmp_path / 'run'}"]) == 2  # a value the config gives is still checked against it
+    assert f"revffn.coupling=buffered: {str(additive)!r} was converted with coupling=additive" in \
+        capsys.readouterr().err
