@@ -321,9 +321,12 @@ def _merge(base: dict, over: dict) -> dict:
 
 def _model_defaults(method: str, data: dict) -> dict:
     """The defaults of `method`'s options that the config's model decides (`Method.model_defaults`: a converted
-    directory's structure); none where the model reference does not read (its own check reports it)."""
+    directory's structure), for the method the config trains; none where the model reference does not read (its own
+    check reports it)."""
     from revffn.methods import METHODS
 
+    if data.get("method") != method:  # (another method's section is never read: no model lookup for it)
+        return {}
     try:
         model = coerce(data["model"], SCHEMA["model"]) if "model" in data else SCHEMA["model"].default
         return METHODS[method].model_defaults(model) if isinstance(model, str) else {}
