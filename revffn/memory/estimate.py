@@ -110,9 +110,16 @@ class Dims:
 
 
 def _peft_rewrites(model_type: str) -> bool:
+    """Whether peft moves a shared-expert or dense-MLP Linear target (`mlp.shared_expert.gate_proj`, as
+    `methods.peft_common.peft_names` passes it) to the fused experts: peft 0.21 did for the model types whose
+    experts transformers fuses; from 0.22 a target that matches only Linear modules stays one."""
     try:
+        import peft
+        from packaging.version import Version
         from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN
     except ImportError:  # pragma: no cover - older transformers: no mapping, nothing rewritten
+        return False
+    if Version(peft.__version__) >= Version("0.22"):
         return False
     return model_type in _MODEL_TO_CONVERSION_PATTERN or model_type == "mixtral"
 

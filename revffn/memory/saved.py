@@ -5,7 +5,7 @@ input only if its weight trains, an RMSNorm keeps its fp32 input and 1/rms only 
 a gradient and its normalised input only if its weight trains, and nothing is saved for a layer
 whose input and weights all need no gradient. `Grad` says, per layer, what needs one; the functions
 below follow transformers 5.x modules as they run (RMSNorm in fp32, SDPA, grouped_mm experts) and
-peft 0.21 / revffn adapters, and are checked against `SavedTensorLog` on the tiny presets
+peft 0.21-0.22 / revffn adapters, and are checked against `SavedTensorLog` on the tiny presets
 (`tests/memory/test_estimate_agreement.py`).
 
 `m` is the estimator's `Dims` (model geometry); sizes are bytes, `s` the weights' dtype bytes.

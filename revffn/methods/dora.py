@@ -1,7 +1,7 @@
 """`dora`: DoRA (weight-decomposed LoRA) through `peft` (`LoraConfig(use_dora=True)`).
 
-Covers only `nn.Linear` targets: attention q/k/v/o and the shared expert's gate/up/down. With this
-peft version (0.21) DoRA cannot adapt the fused 3-D expert tensors or the router: peft's
+Covers only `nn.Linear` targets: attention q/k/v/o and the shared expert's gate/up/down. With peft
+0.21 and 0.22 DoRA cannot adapt the fused 3-D expert tensors or the router: peft's
 `ParamWrapper` (the only way to adapt a bare parameter) raises for `use_dora=True`. So the routed
 experts and the router stay frozen and un-adapted; `include_router: true` is refused on models whose
 router is not an `nn.Linear` (qwen2_moe, qwen3_moe, mixtral, olmoe in transformers 5).

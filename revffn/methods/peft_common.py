@@ -10,12 +10,14 @@ Targets are resolved against the loaded model:
   adapter per expert). peft's ParamWrapper refuses `use_dora`, `lora_dropout > 0` and `lora_bias`,
   so DoRA covers only the Linear modules, and LoRA with dropout must leave the parameters out.
 
-peft 0.21 on transformers 5 rewrites v4 expert names in `target_modules` (`gate_proj`, `up_proj`,
-`down_proj`, `w1`-`w3`, `gate`) to the fused expert parameters for the model types transformers
-converts (qwen3_moe, olmoe, mixtral, glm4_moe, ...; not qwen2_moe), which would silently skip a
-shared-expert or dense-MLP Linear of that name (glm4_moe) and double the experts' rank. `v4_rewrites`
-finds those names first: LoRA adapts those Linears through their `.weight` parameter instead (the
-same update), DoRA leaves them out (recorded as `not_covered` in revffn.json).
+On transformers 5, peft also reads each module target as a transformers-v4 expert name (`gate_proj`,
+`up_proj`, `down_proj`, `w1`-`w3`, `gate`) for the model types whose experts transformers fuses: peft 0.21
+moves such a target to the fused expert parameters, which silently skips a shared-expert or dense-MLP Linear of
+that name (glm4_moe); peft 0.22 keeps the Linear but adds the fused experts as parameter targets at twice the rank
+(qwen2_moe, glm4_moe: DoRA then fails, LoRA's experts get rank 2r). `peft_names` passes a target that peft's
+mapping reads as an expert name by its layer-relative module names (`mlp.shared_expert.gate_proj`), which it
+leaves alone (0.22); a target peft still moves (0.21) is adapted by LoRA through its `.weight` parameter (the same
+update), and left out by DoRA (recorded as `not_covered` in revffn.json). What peft would still change is refused.
 
 The trained model is `CausalLM(hf)` with the adapters injected in place; the `PeftModel` stays on
 the method for `save_pretrained` (adapters) and `merge_and_unload` (the merged HF model).
@@ -122,20 +124,39 @@ def resolve_targets(hf: nn.Module, targets: list[str] | None, include_router: bo
     return list(dict.fromkeys(modules)), list(dict.fromkeys(parameters))
 
 
-def v4_rewrites(config, hf: nn.Module) -> set[str]:
-    """Module targets that peft (0.21, transformers 5) would silently rewrite to fused-expert parameters.
-
-    Runs peft's own v4 -> v5 config mapping on a copy of the config (see the module docstring).
-    """
+def v4_changes(config, hf: nn.Module) -> tuple[set[str], set[str], dict]:
+    """What peft's transformers-v4 -> v5 config mapping would do to `config` on `hf`: (the module targets it moves
+    away, the parameter targets it adds, the rank and alpha patterns it sets). Runs peft's own mapping on a copy;
+    a mapping that refuses the config (a fused pair named in part) moves every module target."""
     try:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
         from transformers.conversion_mapping import get_model_conversion_mapping
-
-        probe = copy.deepcopy(config)
+    except ImportError:  # older peft/transformers: no such mapping, nothing is rewritten
+        return set(), set(), {}
+    probe = copy.deepcopy(config)
+    try:
         convert_peft_config_for_transformers(probe, model=hf, conversions=get_model_conversion_mapping(hf))
-    except Exception:  # older peft/transformers: no such mapping, nothing is rewritten
-        return set()
-    return set(config.target_modules or []) - set(probe.target_modules or [])
+    except ValueError:
+        return set(config.target_modules or []), set(), {}
+    patterns = {k: v for k, v in {**(probe.rank_pattern or {}), **(probe.alpha_pattern or {})}.items()
+                if k not in (config.rank_pattern or {}) and k not in (config.alpha_pattern or {})}
+    return (set(config.target_modules or []) - set(probe.target_modules or []),
+            set(probe.target_parameters or []) - set(config.target_parameters or []), patterns)
+
+
+def peft_names(hf: nn.Module, modules: list[str], config_for) -> list[str]:
+    """`modules` (suffixes) as peft should get them: each one peft's v4 mapping reads (`v4_changes` of it alone is
+    not empty) replaced by the layer-relative names of the Linear modules it matches (`gate_proj` ->
+    `mlp.shared_expert.gate_proj`), the others as they are. `config_for(mods)` makes the LoraConfig."""
+    spec = spec_for(hf)
+    linears = _linear_names(hf)
+    out = []
+    for t in modules:
+        if any(v4_changes(config_for([t]), hf)):
+            out += sorted({_layer_relative(n, spec.layers) for n in linears if _matches(n, t)})
+        else:
+            out.append(t)
+    return list(dict.fromkeys(out))
 
 
 class PeftMethod(Method):
@@ -172,8 +193,9 @@ class PeftMethod(Method):
                               target_modules=mods, target_parameters=params or None, use_dora=self.use_dora,
                               bias="none")
 
-        moved = sorted(v4_rewrites(lora_config(modules, parameters), hf_model))
-        if moved:
+        modules = peft_names(hf_model, modules, lambda mods: lora_config(mods, parameters))
+        moved = sorted(v4_changes(lora_config(modules, parameters), hf_model)[0])
+        if moved:  # (peft 0.21: a name of a v4 expert projection is moved, even a shared expert's)
             modules = [t for t in modules if t not in moved]
             if not self.use_dora:  # adapt those Linears through their weight parameter instead (same update)
                 parameters = [*parameters, *(f"{t}.weight" for t in moved)]
@@ -182,6 +204,13 @@ class PeftMethod(Method):
                 raise UserError(f"{self.name}.target_modules: peft would silently retarget {moved} to the fused "
                                 f"expert parameters of {model_type} (its transformers-v4 mapping), which DoRA "
                                 "cannot adapt. Fix: drop them from target_modules.")
+        left = v4_changes(lora_config(modules, parameters), hf_model)
+        if any(left):
+            import peft
+
+            raise UserError(f"{self.name}: peft {peft.__version__} would change the adapters on {model_type} through "
+                            f"its transformers-v4 mapping (moved {sorted(left[0])}, added {sorted(left[1])}, "
+                            f"ranks {left[2]}). Fix: install peft 0.21 or 0.22, the versions revffn is tested with.")
         if not modules and not parameters:
             raise UserError(f"{self.name}: no target left for {model_type}. Fix: set {self.name}.target_modules.")
         if parameters and o["lora_dropout"] > 0:

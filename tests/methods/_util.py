@@ -52,3 +52,20 @@ def changed(before: dict, model) -> set[str]:
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def adapter_ranks(model) -> dict[str, int]:
+    """Every peft adapter layer in `model` -> its rank (peft's own record, which a rank pattern would change)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {n.replace(".base_layer", ""): mod.r["default"] for n, mod in model.named_modules()
+            if isinstance(mod, BaseTunerLayer) and "default" in getattr(mod, "r", {})}
+
+
+def unadapted_linears(model, ranks: dict[str, int], names=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj")) -> list[str]:
+    """The decoder layers' Linear modules of these names that no adapter layer covers (peft wraps a Linear whether
+    it is targeted as a module or through its `.weight`)."""
+    linears = [n.replace(".base_layer", "") for n, m in model.named_modules()
+               if type(m) is torch.nn.Linear and ".layers." in n and n.rsplit(".", 1)[-1] in names]
+    return [n.removesuffix(".base_layer") for n in linears if n.removesuffix(".base_layer") not in ranks]

@@ -14,13 +14,14 @@ import math
 import pytest
 import torch
 
+from revffn.memory.estimate import dims
 from revffn.methods import METHODS
 from revffn.models.loading import SHIPPED_VOCAB, load
 from revffn.models.tiny_any import dense_model_types, tiny_model_for
 from revffn.reports.check import grad_error
 from revffn.training.config import load_config
 from revffn.training.step import train_step
-from tests.methods._util import batch, build, changed, config, snapshot, step
+from tests.methods._util import adapter_ranks, batch, build, changed, config, snapshot, step, unadapted_linears
 
 PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe"]
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma"]
@@ -36,10 +37,18 @@ def test_method_on_preset(preset, method, tmp_path):
     if method == "lora":
         modules, parameters = meth.targets
         assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(parameters)
-        if preset == "tiny-glm4-moe":  # shared experts + dense layer 0: adapted through their weights
-            assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(parameters)
-            assert any("shared_experts.gate_proj.lora_A" in n for n, _ in model.named_parameters())
+        ranks = adapter_ranks(model)
+        # shared experts + dense layer 0 (glm4_moe): each Linear adapted once, as a module (peft 0.22) or through
+        # its weight where peft moves its name to the fused experts (0.21); every rank r, none doubled
+        assert not unadapted_linears(model, ranks) and set(ranks.values()) == {16}
         assert not meth.peft_model.peft_config["default"].rank_pattern  # ranks stay r
+    if method in ("lora", "dora"):  # the estimate counts what the installed peft adapts (`Dims.peft_rewrites`)
+        moved = [t for t in meth.targets[1] if t.endswith("_proj.weight")] if method == "lora" else meth.not_covered
+        m = dims(model.hf.config)
+        if m.shared_inter or not all(m.moe):  # (a model with MLP Linears beside its fused experts: glm4_moe)
+            assert m.peft_rewrites == bool(moved), (moved, meth.targets)
+        else:
+            assert not moved
     for i in range(2):
         step(run, i, batch(seed=i))
     model.eval()

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from revffn.conversion.causal_lm import CausalLM
 from revffn.errors import UserError
 from revffn.models.loading import load
-from tests.methods._util import batch, build, changed, config, snapshot, step
+from tests.methods._util import adapter_ranks, batch, build, changed, config, snapshot, step, unadapted_linears
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # peft probes a deprecated HF attribute on load
@@ -21,11 +21,15 @@ def test_only_adapters_train_and_merge_matches(name, tmp_path):
     run = build(config(name, tmp_path, f"{name}.r=4", lr=1e-2))
     method, model = run.method, run.model
     modules, parameters = method.targets
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= set(modules)
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(modules)
+    ranks = adapter_ranks(model)
+    assert set(ranks.values()) == {4}  # no fused-expert rank pattern (peft 0.22 would give the experts 2r)
+    assert not unadapted_linears(model, ranks)  # attention and the shared expert's gate/up/down, each once
+    experts = [n for n in ranks if n.endswith("mlp.experts")]
     if name == "lora":  # the fused 3-D experts, through peft's target_parameters
-        assert parameters == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+        assert parameters == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] and len(experts) == 2
     else:  # peft's ParamWrapper refuses DoRA: Linear modules only
-        assert parameters == []
+        assert parameters == [] and not experts
     trainable = {n for n, p in model.named_parameters() if any(p is q for q in method.optimizer_parameters(model))}
     assert trainable and all("lora_" in n for n in trainable)
     assert not any(".mlp.gate." in n for n in trainable)  # router excluded by default
