@@ -113,6 +113,15 @@ def cmd_check(args) -> int:
                         "compares the two. Fix: give the base model it was converted from.")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available. Fix: --device cpu or auto.")
+    additive = {"--stream-dtype": ("stream_dtype", "auto"), "--adapter-init": ("adapter_init", "coordinate"),
+                "--stream-width": ("stream_width", "full")}
+    table, needs = (additive, "--coupling additive") if args.coupling == "buffered" else \
+        ({"--buffer-momentum": ("buffer_momentum", "positive")}, "--coupling buffered")
+    for flag, (name, default) in table.items():
+        if getattr(args, name) != default:
+            raise UserError(f"{flag}: read only with {needs}, and this check has --coupling {args.coupling}"
+                            f"{' (the default)' if args.coupling == 'buffered' else ''}: it would change nothing. "
+                            f"Fix: drop {flag}, or give {needs}.")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # as run_check picks
     check_width(args.model, args.layers, args.hidden, compute=dtype, device="cuda" if cuda else "cpu")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
@@ -251,6 +260,9 @@ def cmd_archs(args) -> int:
     for flag, path in (("--out", args.out), ("--json-out", args.json_out)):
         if path:
             check_out_file(path, flag)
+    if args.out and args.json_out and Path(args.out).resolve() == Path(args.json_out).resolve():
+        raise UserError(f"--out and --json-out name the same file ({args.out!r}): the page would overwrite the JSON. "
+                        "Fix: two file names, e.g. --out archs.md --json-out archs.json.")
 
     from revffn.progress import progress
 

@@ -17,7 +17,7 @@
 #
 #   bash scripts/gpu_real.sh
 #   HEAL_STEPS=800 STUDY_STEPS=500 bash scripts/gpu_real.sh
-#   PART=study STUDY_ARGS="--set revffn.train_adapters=true --lr-grid revffn=1e-5,3e-5" bash scripts/gpu_real.sh  # stop 43's
+#   PART=study STUDY_ARGS="--set revffn.coupling=additive --set revffn.train_adapters=true --lr-grid revffn=1e-5,3e-5" bash scripts/gpu_real.sh  # stop 43's
 #   PART=gap bash scripts/gpu_real.sh; PART=study bash scripts/gpu_real.sh   # one part a command
 #   TINY=1 bash scripts/gpu_real.sh     # the same commands on the dense builtin:smollm2 on the CPU: two table rows at
 #                                       # 1024 tokens, the smoke study (checks the script)

@@ -62,6 +62,9 @@ def load_table(ref: str, key: str, streaming: bool = False):
 
     quiet = logging.getLogger("datasets")  # its own error log would repeat the reason this raises as one line
     level, quiet.level = quiet.level, logging.CRITICAL
+    bars = datasets.is_progress_bar_enabled()
+    if not ref.startswith(HF_PREFIX):  # a local file: its "Generating train split" bar is noise beside the run's
+        datasets.disable_progress_bars()  # own (a Hub download keeps its bars)
     try:
         if ref.startswith(HF_PREFIX):
             name, config, split = _hf_args(ref)
@@ -84,6 +87,8 @@ def load_table(ref: str, key: str, streaming: bool = False):
         raise UserError(_load_failure(ref, key, e)) from None
     finally:
         quiet.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def read_rows(table, ref: str, key: str) -> Iterator[dict]:

@@ -316,6 +316,13 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
     if problems:
         raise UserError(" ".join(problems))
+    unused = method.unused_options({k: v for k, v in given.items() if k in method.SCHEMA}, 1 << 30) \
+        if hasattr(method, "unused_options") else {}
+    for k, (reads, has) in unused.items():  # (as training refuses it: `Method.unused_options`)
+        prefix = f"{method.name}."
+        raise UserError(f"--option {k}={given[k]}: read only with {reads.replace(prefix, '')}, and this estimate has "
+                        f"{has.replace(prefix, '')}: it would change nothing. Fix: drop it, or --option "
+                        f"{reads.replace(prefix, '')}.")
     return {k: given.get(k, key.default) for k, key in keys.items()}
 
 

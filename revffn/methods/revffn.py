@@ -74,6 +74,12 @@ TASK = "task"  # heal_data: the old stage 1, cross-entropy on the training data
 RECOMPUTE_CHUNK_TOKENS = 1024
 
 
+# the additive coupling's options (adapters, their calibration, stage 1, the streams): the buffered coupling reads none
+ADDITIVE_OPTIONS = ("adapter_warmup_steps", "adapter_warmup_ratio", "train_adapters", "stream_dtype", "adapter_init",
+                    "adapter_skip", "stream_width", "calibration_data", "calibration_tokens", "heal_data", "heal_norms",
+                    "heal_hidden_coef", "fold_adapters")
+
+
 def _sequences(n: int) -> str:
     """'1 sequence', '4 sequences' (at least one)."""
     n = max(1, n)
@@ -89,8 +95,9 @@ class RevFFNMethod(Method):
                         "calibration, no stage 1, the pretrained model within 0.003 nats (SmolLM2); additive: Y_1 = "
                         "X_1 + F(X_2), Y_2 = X_2 + G(Y_1), the pretrained attention and MoE between calibrated "
                         "adapters, a heal (stage 1) then stage 2, activation memory flat in depth (SmolLM2: +1.8 "
-                        "nats calibrated; docs/conversion.md); the options below from adapter_warmup_steps to "
-                        "fold_adapters are the additive coupling's",
+                        "nats calibrated; docs/conversion.md); the adapter, calibration, heal and stream options "
+                        "below are the additive coupling's, refused under the buffered one (and the buffer's under "
+                        "the additive one)",
                         choices=COUPLINGS),
         "buffer_bits": Key(int, DEFAULT_BUFFER_BITS, "coupling buffered: k, the coupling's 2^-k and the bits a "
                            "coordinate a layer the backward keeps (k/8 bytes; 6: 3/8 of bf16 checkpoints of every "
@@ -212,8 +219,43 @@ class RevFFNMethod(Method):
         return {"coupling": coupling, **{name: converted_option(model, name) for name in structure}}
 
     @classmethod
+    def unused_options(cls, opts: dict, max_steps: int, defaults: dict | None = None) -> dict[str, tuple[str, str]]:
+        """Each coupling reads its own options: the additive coupling ADDITIVE_OPTIONS, the buffered one buffer_bits
+        and buffer_momentum (the default changed from additive to buffered in stop 47: an additive config or command
+        of before would otherwise train the other coupling, its options unread). An option that a switch of the
+        same coupling turns off (the heal's with adapter_warmup_steps 0, the teacher's with distill_coef 0) is
+        kept, as HF's TrainingArguments keep warmup_ratio beside warmup_steps: turning a feature off is not an
+        error."""
+        d = {k: key.default for k, key in cls.SCHEMA.items()} | (defaults or {})
+        o = d | opts
+        out: dict[str, tuple[str, str]] = {}
+
+        def need(keys, reads: str, has: str) -> None:
+            for k in keys:
+                if k in opts and opts[k] != d[k] and k not in out:
+                    out[k] = (reads, has)
+
+        def shown(k: str) -> str:
+            v = o[k]
+            value = str(v).lower() if isinstance(v, bool) else v
+            return f"revffn.{k}={value}" + (" (the default)" if v == d[k] else "")
+
+        if o["coupling"] == "buffered":
+            need(ADDITIVE_OPTIONS, "revffn.coupling=additive", shown("coupling"))
+        else:
+            need(("buffer_bits", "buffer_momentum"), "revffn.coupling=buffered", shown("coupling"))
+        return out
+
+    @classmethod
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
+        unused = cls.unused_options(opts, cfg.max_steps, cls.model_defaults(cfg.model))
+        if unused:
+            lines = [f"revffn.{k}={str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k]} is read only "
+                     f"with {reads}, and this run has {has}: it would change nothing. Fix: drop revffn.{k}, or set "
+                     f"{reads}." for k, (reads, has) in unused.items()]
+            raise UserError(lines[0] if len(lines) == 1 else f"{len(lines)} problems in the config:\n  - "
+                            + "\n  - ".join(lines))
         opts["adapter_warmup_steps"] = cls.warmup_steps(opts, cfg.max_steps)
         from revffn.models.loading import converted_option, is_converted
 

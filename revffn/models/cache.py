@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import fnmatch
 import functools
 import hashlib
 import importlib.util
@@ -108,6 +109,12 @@ def file_in_the_way(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
+# what a model directory revffn writes holds (save_pretrained's weights, configs, tokenizer files and remote code,
+# revffn.json, the model card, peft's adapter/): `--overwrite` replaces only a directory of these
+MODEL_FILES = ("*.safetensors", "*.json", "*.py", "*.jinja", "*.txt", "*.model", "*.tiktoken", "README.md",
+               "adapter/")
+
+
 def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: str | None = None) -> None:
     """`out` may be written by `staged_dir`: absent or empty, or (with `overwrite`) a model directory revffn wrote
     (its revffn.json), neither the model directory `source` it is written from nor one holding it, and a directory
@@ -140,6 +147,12 @@ def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: s
         raise UserError(f"{flag}: {str(out)!r} is not a model directory revffn wrote (no revffn.json), and "
                         f"--overwrite would delete what it holds: {listed}. Nothing was written. Fix: choose a new "
                         "directory, or move those files away.")
+    foreign = [e for e in entries if not any(fnmatch.fnmatch(e, pattern) for pattern in MODEL_FILES)]
+    if foreign:  # (a model directory with the user's own files added: the swap would delete them with it)
+        listed = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
+        raise UserError(f"{flag}: {str(out)!r} holds {listed} beside the model revffn wrote, and --overwrite "
+                        "replaces the whole directory. Nothing was written. Fix: move those out of it, or choose a "
+                        "new directory.")
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from revffn.errors import one_line
+from revffn.errors import UserError, one_line
 from revffn.reports.check import TOL, run_check
 
 PACKAGES = ("torch", "transformers", "peft")
@@ -129,6 +129,9 @@ def check_memory(dev: torch.device, probe_mib: int | None) -> dict:
         probe = probe_mib * 2**20 if probe_mib else max(1, min(HOST_PROBE, free // 2))
         where, fix = "in host memory", "free host memory (or add swap), or a smaller --probe-mib"
     measured = {"free_bytes": free, "total_bytes": total, "probe_bytes": probe}
+    if probe_mib and probe > free:  # on the host the kernel's OOM killer would end doctor, not an error it reports
+        raise UserError(f"--probe-mib {probe_mib}: more than the {free // 2**20} MiB free {where} ({_gib(total)} in "
+                        f"all). Fix: --probe-mib {max(1, free // 2**20 // 2)}, or drop it for the default.")
     try:
         x = torch.empty(probe, dtype=torch.uint8, device=dev)
         x.fill_(1)

@@ -139,9 +139,11 @@ class StudyPlan:
 
     def options(self, method: str, **variant) -> dict:
         """The method's YAML section in this plan's runs (`variant`: a conversion-gap variant's options)."""
-        if method in self.base.method_options:
-            return {**self.base.method_options[method], **variant, **self.overrides.get(method, {})}
-        return {**_method(method).study_options(self.steps, **variant), **self.overrides.get(method, {})}
+        preset = {**self.base.method_options[method], **variant} if method in self.base.method_options else \
+            _method(method).study_options(self.steps, **variant)
+        options = {**preset, **self.overrides.get(method, {})}
+        unused = _method(method).unused_options(options, self.steps)  # (a preset's key another setting overrules:
+        return {k: v for k, v in options.items() if k not in unused}  # dropped; a --set one is refused up front)
 
     def converts_once(self, method: str) -> bool:
         """Whether `method`'s runs start from the study's one conversion (`StudyBase.convert`)."""
@@ -465,6 +467,16 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
     sets, grids = overrides.pop("sets", None) or (), overrides.pop("lr_grids", None) or ()
     if sets:
         plan = replace(plan, overrides=method_sets(plan, sets))
+        for item in sets:  # a --set the run would not read (`Method.unused_options`): refused, not dropped
+            method, _, key = item.partition("=")[0].partition(".")
+            if method in plan.methods:
+                preset = plan.options(method)
+                unused = _method(method).unused_options({**preset, key: plan.overrides[method][key]}, plan.steps)
+                if key in unused:
+                    reads, has = unused[key]
+                    raise UserError(f"--set {item!r}: {method}.{key} is read only with {reads}, and this study's "
+                                    f"{method} runs have {has}: it would change nothing. Fix: drop it, or --set "
+                                    f"{reads}.")
     if grids:
         plan = replace(plan, lr_grid={**plan.lr_grid, **lr_grids(plan, grids)})
     plan = replace(plan, **{k: v for k, v in overrides.items() if v})

@@ -100,6 +100,33 @@ def convert_device(device: str) -> torch.device:
                         "cpu" if device == "auto" else device)
 
 
+ADDITIVE_FLAGS = {"--calibration-data": "calibration_data", "--calibration-tokens": "calibration_tokens",
+                  "--stream-dtype": "stream_dtype", "--stream-width": "stream_width",
+                  "--no-adapter-skip": "adapter_skip"}
+HEAL_FLAGS = {"--heal-data": "heal_data", "--heal-batch-size": "heal_batch_size", "--heal-lr": "heal_lr",
+              "--heal-norms": "heal_norms", "--heal-hidden-coef": "heal_hidden_coef"}
+BUFFERED_FLAGS = {"--buffer-bits": "buffer_bits", "--buffer-momentum": "buffer_momentum"}
+
+
+def unused_flags(spec: ConvertSpec) -> None:
+    """A flag set to other than its default that this conversion would not read is refused, naming what reads it:
+    the adapters' flags under the buffered coupling, the buffer's under the additive one, the heal's without
+    --heal-steps."""
+    default = ConvertSpec(spec.model, spec.out)
+    if spec.coupling == "buffered":
+        table, reads, has = {**ADDITIVE_FLAGS, **HEAL_FLAGS}, "--coupling additive", "the buffered coupling (the " \
+            "default: every layer whole, no adapters to calibrate or heal)"
+    elif spec.heal_steps:
+        table, reads, has = BUFFERED_FLAGS, "--coupling buffered", "the additive coupling"
+    else:
+        table, reads, has = {**BUFFERED_FLAGS, **HEAL_FLAGS}, "", "the additive coupling and no --heal-steps"
+    for flag, name in table.items():
+        if getattr(spec, name) != getattr(default, name):
+            needs = reads or ("--coupling buffered" if flag in BUFFERED_FLAGS else "--heal-steps N")
+            raise UserError(f"{flag}: read only with {needs}, and this conversion has {has}: it would change "
+                            f"nothing. Nothing was written. Fix: drop {flag}, or give {needs}.")
+
+
 def validate(spec: ConvertSpec):
     """Every check that needs no model; returns the tokenizer. Raises UserError naming the flag."""
     check_model_ref(spec.model, "MODEL")
@@ -121,6 +148,7 @@ def validate(spec: ConvertSpec):
     if spec.buffer_momentum not in MOMENTUM_SIGNS:
         raise UserError(f"--buffer-momentum: unknown momentum {spec.buffer_momentum!r}. Fix: one of "
                         f"{', '.join(MOMENTUM_SIGNS)}.")
+    unused_flags(spec)
     if spec.heal_warmup_steps is not None:
         if not spec.heal_steps:
             raise UserError(f"--heal-warmup-steps {spec.heal_warmup_steps}: there is no heal to warm up. Fix: give "

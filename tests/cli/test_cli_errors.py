@@ -74,7 +74,7 @@ def test_check_refuses_a_width_the_model_cannot_run_and_a_converted_model(tmp_pa
     assert cli.main(["check", "--model", "tiny-qwen2-moe", "--layers", "1", "--hidden", "36", "--device", "cpu"]) == 2
     assert "--hidden 36: the attention heads would be 9 wide" in capsys.readouterr().err
     out = tmp_path / "rev"
-    assert cli.main(["convert", "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    assert cli.main(["convert", "tiny-qwen2-moe", "--out", str(out)]) == 0
     capsys.readouterr()
     assert cli.main(["check", "--model", str(out), "--device", "cpu"]) == 2
     assert "is converted to RevFFN already" in capsys.readouterr().err

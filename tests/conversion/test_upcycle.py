@@ -156,6 +156,12 @@ def test_overwrite_replaces_only_a_model_directory_revffn_wrote(tmp_path, capsys
     (tmp_path / "out" / "mine.txt").unlink()
     assert main(argv) == 0 and (tmp_path / "out" / "revffn.json").is_file()
     assert main(argv) == 0  # its own output: replaced
+    (tmp_path / "out" / "notes.md").write_text("mine")  # the user's file beside the model: kept, refused
+    (tmp_path / "out" / "evals").mkdir()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds evals/, notes.md beside the model revffn wrote" in err and "Fix: move those out" in err, err
+    assert (tmp_path / "out" / "notes.md").read_text() == "mine" and (tmp_path / "out" / "revffn.json").is_file()
     (tmp_path / "thesis").mkdir()
     (tmp_path / "thesis" / "ch1.tex").write_text("keep")
     assert main(["convert", "tiny-qwen2-moe", "--out", str(tmp_path / "thesis"), "--overwrite"]) == 2

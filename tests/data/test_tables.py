@@ -54,6 +54,15 @@ def test_parquet_of_each_format(name, tmp_path, write_jsonl):
     assert [e["source"] for e in examples] == [f"{path}[0]", f"{path}[1]"]
 
 
+def test_a_local_file_reads_without_datasets_progress_bar(tmp_path, capfd):
+    """datasets' "Generating train split" bar over a local file is off while revffn reads it, and as it was after."""
+    path = tmp_path / "rows.parquet"
+    pq.write_table(_table(ROWS["alpaca"]), path)
+    assert datasets.is_progress_bar_enabled()
+    load_examples(str(path), "data")
+    assert "Generating" not in capfd.readouterr().err and datasets.is_progress_bar_enabled()
+
+
 def test_parquet_of_mixed_formats(tmp_path, write_jsonl):
     path = tmp_path / "mixed.parquet"
     pq.write_table(_table(MIXED), path)

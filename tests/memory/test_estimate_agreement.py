@@ -23,9 +23,7 @@ CASES = [(name, 2, None, 2, 64, "float32") for name in REQUIRED] + [("tiny-qwen2
 def _errors(name, layers, hidden, batch, seq, dtype, method) -> tuple[float, float]:
     """(static, activations) relative errors of the estimate against one bench measurement."""
     steps = layers + 1 if method == "hift" else 1  # hift: every group once (its peaks are over groups)
-    # RevFFN's calibration (sampling and fitting, the longest part of the run) sets the adapters' values, not
-    # their bytes: the coordinate init measures the same tensors
-    label = "revffn:revffn.adapter_init=coordinate" if method == "revffn" else method
+    label = method  # (revffn: the buffered default, nothing to calibrate)
     spec = BenchSpec(name, [label], layers, hidden, batch, seq, steps, dtype, "cpu")
     args = worker_args(spec, label)
     row = bench_worker.run(args)

@@ -25,8 +25,6 @@ from tests.methods._util import adapter_ranks, batch, build, changed, config, sn
 
 PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe", "tiny-glm4-moe"]
 DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma"]
-# revffn: coordinate adapters (no calibration pass) and no adapter-only stage, so step 0 trains everything
-REVFFN = ["revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=0"]
 
 
 @pytest.mark.parametrize("method", ["ckpt", "lora", "dora", "hift", "refta"])
@@ -72,8 +70,7 @@ def dense_dirs(tmp_path_factory) -> dict:
 
 def _dense_config(model_dir, method: str, tmp):
     return load_config(None, [f"model={model_dir}", f"method={method}", f"output_dir={tmp}", "dtype=float32",
-                              "device=cpu", "learning_rate=1e-2", "lr_scheduler_type=constant", "warmup_steps=0",
-                              *(REVFFN if method == "revffn" else [])])
+                              "device=cpu", "learning_rate=1e-2", "lr_scheduler_type=constant", "warmup_steps=0"])
 
 
 def test_the_dense_models_are_dense():

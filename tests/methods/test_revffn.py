@@ -23,6 +23,7 @@ TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 2, hidden_size
         "revffn.heal_data=self",
         "learning_rate=1e-3",
         "per_device_train_batch_size=2", "max_steps=6"]
+BUFFERED = [o for o in TINY if not o.startswith("revffn.")] + ["revffn.coupling=buffered"]  # (no adapter options)
 
 
 def _run(*overrides: str):
@@ -274,7 +275,8 @@ def test_the_buffered_coupling_trains_every_weight_but_the_routers_from_the_firs
     every parameter but the frozen routers'."""
     from revffn.methods.base import non_router_parameters
 
-    cfg, run = _run("revffn.coupling=buffered", "revffn.adapter_warmup_steps=3")
+    cfg = load_config(None, BUFFERED)
+    run = build_run(cfg, torch.device("cpu"))
     model, method = run.model, run.method
     assert model.coupling == "buffered" and model.adapter_parameters() == [] and method.calibration is None
     assert method.stage(0) == "joint" and method.steady_state_step() == 0
@@ -288,10 +290,58 @@ def test_the_buffered_coupling_trains_every_weight_but_the_routers_from_the_firs
 
 
 def test_the_buffered_coupling_refuses_a_bad_buffer_and_a_heal(tmp_path, capsys):
-    assert main(["train", *TINY, "revffn.coupling=buffered", "revffn.buffer_bits=9", "data=builtin:reversal_train",
+    assert main(["train", *BUFFERED, "revffn.buffer_bits=9", "data=builtin:reversal_train",
                  f"output_dir={tmp_path / 'run'}"]) == 2
     assert "revffn.buffer_bits" in capsys.readouterr().err and not (tmp_path / "run").exists()
     out = tmp_path / "converted"
     assert main(["convert", "builtin:base", "--out", str(out), "--coupling", "buffered", "--heal-steps", "3"]) == 2
     err = capsys.readouterr().err
     assert "--heal-steps" in err and "Fix:" in err and not out.exists()
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["revffn.coupling=buffered", "revffn.stream_width=half"],
+     "revffn.stream_width=half is read only with revffn.coupling=additive, and this run has revffn.coupling=buffered"),
+    (["revffn.buffer_bits=4"], "revffn.buffer_bits=4 is read only with revffn.coupling=buffered"),
+    (["revffn.coupling=buffered", "revffn.calibration_tokens=64", "revffn.heal_norms=true"],
+     "revffn.calibration_tokens=64 is read only with revffn.coupling=additive"),
+])
+def test_an_option_the_run_would_not_read_is_refused(extra, says, tmp_path, capsys):
+    """A value other than the default for the other coupling's option was ignored (an additive config of before stop
+    47 trained the buffered coupling): now exit 2 before the run directory, naming it and what reads it."""
+    base = BUFFERED if "revffn.coupling=buffered" in extra else TINY
+    out = tmp_path / "run"
+    assert main(["validate", "", *base, *[e for e in extra if e != "revffn.coupling=buffered"],
+                 "data=builtin:reversal_train", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "it would change nothing. Fix: drop " in err and not out.exists(), err
+    # the same values where they are read, a default value where nothing reads it, and a feature's options beside
+    # its switch turned off (no stage 1, no distillation) pass
+    assert load_config(None, [*TINY, "revffn.adapter_warmup_steps=0", "revffn.calibration_tokens=64",
+                              "revffn.heal_norms=true", "revffn.buffer_bits=6", "revffn.teacher_cache=cache",
+                              "data=builtin:reversal_train"])
+    assert load_config(None, [*BUFFERED, "revffn.buffer_bits=4", "revffn.stream_width=full"])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["convert", "builtin:base", "--calibration-tokens", "256"], "--calibration-tokens: read only with --coupling "
+     "additive, and this conversion has the buffered coupling"),
+    (["convert", "builtin:base", "--no-adapter-skip"], "--no-adapter-skip: read only with --coupling additive"),
+    (["convert", "builtin:base", "--coupling", "additive", "--heal-lr", "1e-4"],
+     "--heal-lr: read only with --heal-steps N, and this conversion has the additive coupling and no --heal-steps"),
+    (["convert", "builtin:base", "--coupling", "additive", "--heal-steps", "2", "--buffer-bits", "4"],
+     "--buffer-bits: read only with --coupling buffered"),
+    (["check", "--adapter-init", "zero"], "--adapter-init: read only with --coupling additive, and this check has "
+     "--coupling buffered (the default)"),
+    (["check", "--coupling", "additive", "--buffer-momentum", "negative"],
+     "--buffer-momentum: read only with --coupling buffered"),
+    (["estimate", "--model", "tiny-qwen2-moe", "--method", "revffn", "--option", "stream_width=half"],
+     "--option stream_width=half: read only with coupling=additive, and this estimate has coupling=buffered"),
+    (["estimate", "--model", "tiny-qwen2-moe", "--method", "revffn", "--option", "coupling=additive", "--option",
+      "buffer_bits=4"], "--option buffer_bits=4: read only with coupling=buffered"),
+])
+def test_a_flag_the_command_would_not_read_is_refused(argv, says, tmp_path, capsys):
+    out = tmp_path / "converted"
+    assert main([*argv, *(["--out", str(out)] if argv[0] == "convert" else [])]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Fix: drop " in err and not out.exists(), err

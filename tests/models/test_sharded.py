@@ -55,7 +55,7 @@ def test_the_methods_that_prepare_on_meta():
 
     assert on_meta("method=full") and on_meta("method=ckpt") and on_meta("method=revffn")
     assert not on_meta("method=lora")  # peft draws LoRA's A at random
-    assert not on_meta("method=revffn", "revffn.adapter_init=random")
+    assert not on_meta("method=revffn", "revffn.coupling=additive", "revffn.adapter_init=random")
     assert not on_meta("method=revffn", "revffn.distill_coef=0.5")  # the teacher copy is of the calibrated model
 
 
@@ -299,7 +299,7 @@ def test_fsdp_sharded_load_equals_the_whole_load(tmp_path, method):
     """2 ranks, FSDP2: built on meta, each rank reading its rows, against the model loaded whole on every rank and
     then sharded; every parameter all-gathered and compared bitwise (RevFFN: its calibrated adapters, fitted by
     the ranks together through the sharded layers, against the fit on the whole model)."""
-    extra = ["revffn.calibration_tokens=512"] if method == "revffn" else []
+    extra = ["revffn.coupling=additive", "revffn.calibration_tokens=512"] if method == "revffn" else []
     r = _two_ranks(tmp_path / "out.json", "builtin:base", method, *extra)
     assert r["routes"] == {"loading": "sharded", "dtensors": True, "whole": "whole"}
     assert r["experts_read"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # each rank its own 4 of the 8 experts' tensors
@@ -343,7 +343,8 @@ def test_fsdp_sharded_load_of_a_converted_directory_equals_the_whole_load(tmp_pa
     from revffn.models.loading import load
 
     out = tmp_path / "converted"
-    assert main(["convert", "builtin:base", "--out", str(out), "--calibration-tokens", "256"]) == 0
+    assert main(["convert", "builtin:base", "--out", str(out), "--coupling", "additive",
+                 "--calibration-tokens", "256"]) == 0
     model = load(str(out))
     with torch.no_grad():
         for i, p in enumerate(model.adapter_parameters()):

@@ -134,11 +134,9 @@ def test_the_gguf_file_is_a_model_reference_relative_and_absolute(wheel, docs, d
 @pytest.mark.parametrize("config", ["smollm2_revffn", pytest.param("smollm2_moe_revffn", marks=pytest.mark.slow)])
 def test_recipe_trains_four_steps_and_final_reloads(wheel, config, tmp_path):
     run = tmp_path / "run"
-    # the recipe as written, but for its calibrated init and heal on sampled text (minutes on 2 cores: the
-    # conversion itself is the next issue's work); the coordinate init and a task heal train the same loop
+    # the recipe as written (the buffered coupling: nothing to calibrate or heal), four steps
     revffn("train", str(CONFIGS / f"{config}.yaml"), "max_steps=4", f"output_dir={run}", "save_steps=0",
-           "eval_data=null", "revffn.adapter_init=coordinate", "revffn.heal_data=task",
-           "per_device_train_batch_size=2", "gradient_accumulation_steps=1", timeout=1200)
+           "eval_data=null", "per_device_train_batch_size=2", "gradient_accumulation_steps=1", timeout=1200)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in rows if "step" in r][-1] == 4
     out = revffn("generate", str(run / "final"), "--prompt", "What is the capital of France?",

@@ -194,6 +194,12 @@ def test_archs_cli_failing_dense_type_exit_1(capsys):
     assert rc == (1 if status in ("wrong", "unfaithful", "crash", "build-error") else 0)
 
 
+def test_archs_cli_one_file_for_the_page_and_the_json_exit_2(capsys, tmp_path):
+    page = tmp_path / "archs.md"
+    assert cli.main(["archs", "--types", "mixtral", "--out", str(page), "--json-out", str(page)]) == 2
+    assert "--out and --json-out name the same file" in capsys.readouterr().err and not page.exists()
+
+
 def test_archs_cli_bad_type_exit_2(capsys):
     assert cli.main(["archs", "--types", "not_a_type"]) == 2
     assert "not among the causal-LM model types of this transformers (MoE or dense)" in capsys.readouterr().err

@@ -57,11 +57,27 @@ def test_output_dir_that_cannot_be_written_fails_with_a_fix(capsys, tmp_path, mo
     assert "1 check failed: output_dir" in out
 
 
-def test_a_probe_that_cannot_be_allocated_fails(capsys, tmp_path):
-    code, report = _doctor(capsys, "--device", "cpu", "--output-dir", str(tmp_path), "--probe-mib", str(10**12))
+def test_a_probe_that_cannot_be_allocated_fails(capsys, tmp_path, monkeypatch):
+    real_empty = torch.empty
+
+    def refuse(size, *args, **kwargs):  # the probe's allocation fails (the device's memory is taken)
+        if isinstance(size, int) and size == 8 * 2**20:
+            raise RuntimeError("out of memory")
+        return real_empty(size, *args, **kwargs)
+
+    monkeypatch.setattr(doctor.torch, "empty", refuse)
+    code, report = _doctor(capsys, "--device", "cpu", "--output-dir", str(tmp_path), "--probe-mib", "8")
     assert code == 1 and list(_failed(report)) == ["memory"]
     memory = _failed(report)["memory"]
     assert "could not allocate" in memory["detail"] and "--probe-mib" in memory["fix"]
+
+
+def test_a_probe_larger_than_the_free_memory_exits_2(capsys, tmp_path):
+    """On the host, a probe past the free memory was an allocation the kernel's OOM killer ended (or, past what can
+    be mapped, a failed check): now exit 2 before it, naming the flag and the free memory."""
+    assert cli.main(["doctor", "--device", "cpu", "--output-dir", str(tmp_path), "--probe-mib", str(10**12)]) == 2
+    err = capsys.readouterr().err
+    assert "--probe-mib 1000000000000: more than the " in err and "MiB free in host memory" in err and "Fix:" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

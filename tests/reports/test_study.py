@@ -240,7 +240,7 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
     assert plan.methods == ("full", "lora", "revffn") and plan.seeds == (0, 1, 2) and plan.tasks == ("commas",)
     assert plan.base.retention_data == "builtin:pydoc_text" and plan.base.probes == "builtin:smollm2_probes"
     assert plan.lr_grid["full"] == (1e-5, 3e-5) and plan.lr_grid["lora"] == (3e-4, 1e-3)
-    assert plan.options("revffn") == {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True}
+    assert plan.options("revffn") == {"coupling": "buffered", "freeze_router": True}  # (no stage 1 to cut to 0)
     assert plan.lr_grid["revffn"] == plan.lr_grid["full"]  # the buffered coupling is full fine-tuning
     assert not plan.converts_once("revffn") and not plan.converts_once("full")  # nothing to calibrate: the base
     assert study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)["model"] is None
@@ -260,13 +260,17 @@ def test_a_real_base_gets_its_plan_and_one_conversion_for_revffn(tmp_path):
 def test_set_and_lr_grid_reach_the_runs(tmp_path):
     """`--set METHOD.KEY=VALUE` lands in every run of the method, `--lr-grid` replaces its grid; bad ones are
     one-line errors naming the flag."""
-    plan = plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=true", "lora.r=4"],  # the committed pages'
-                    lr_grids=["revffn=1e-5,3e-5"])
-    assert plan.options("revffn") == {"coupling": "buffered", "adapter_warmup_steps": 0, "freeze_router": True,
+    plan = plan_for(False, "builtin:smollm2", sets=["revffn.coupling=additive", "revffn.train_adapters=true",
+                                                    "lora.r=4"], lr_grids=["revffn=1e-5,3e-5"])  # the committed pages'
+    assert plan.options("revffn") == {"coupling": "additive", "adapter_warmup_steps": 0, "freeze_router": True,
                                       "train_adapters": True}
     assert plan.lr_grid["revffn"] == (1e-5, 3e-5) and plan.lr_grid["full"] == (1e-5, 3e-5)
     job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
     assert job["options"]["train_adapters"] is True and plan.options("lora")["r"] == 4
+    assert plan_for(False, "builtin:smollm2", sets=["revffn.buffer_bits=4"]).options("revffn")["buffer_bits"] == 4
+    with pytest.raises(UserError, match=r"^--set 'revffn.train_adapters=true': revffn.train_adapters is read only "
+                                        r"with revffn.coupling=additive, .*Fix: drop it, or --set revffn.coupling="):
+        plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=true"])  # (the buffered default)
     for bad, flag in ((dict(sets=["revffn.train_adapter=false"]), "--set"), (dict(sets=["revffn=1"]), "--set"),
                       (dict(sets=["nope.r=1"]), "--set"), (dict(lr_grids=["revffn=fast"]), "--lr-grid"),
                       (dict(lr_grids=["revffn=0"]), "--lr-grid")):

@@ -15,13 +15,14 @@ from revffn.training.config import load_config
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
         "eval_data=null", "max_steps=2", "save_steps=1", "logging_steps=1", "per_device_train_batch_size=2",
         "max_seq_length=32", "dtype=float32", "device=cpu", "revffn.coupling=additive", "revffn.adapter_warmup_steps=1"]
+BUFFERED = [o for o in TINY if not o.startswith("revffn.")] + ["revffn.coupling=buffered"]  # (no additive options)
 
 
-def train_tiny(out: Path, *over: str, umask: int = 0o022) -> Path:
-    """Train TINY into `out` under `umask` (restored after): the run's own umask must win over it."""
+def train_tiny(out: Path, *over: str, umask: int = 0o022, base: list[str] = TINY) -> Path:
+    """Train `base` (TINY) into `out` under `umask` (restored after): the run's own umask must win over it."""
     before = os.umask(umask)
     try:
-        loop.run(load_config(None, [*TINY, f"output_dir={out}", *over]))
+        loop.run(load_config(None, [*base, f"output_dir={out}", *over]))
     finally:
         os.umask(before)
     return out

@@ -14,7 +14,7 @@ from revffn.models.model_config import grouped_mm_runs
 from revffn.training.config import QUICKSTART
 from revffn.training.manifest import config_sha256
 from revffn.training.setup import RUN_MARKER
-from tests.training._util import TINY, files_state, flip_byte, train_tiny
+from tests.training._util import BUFFERED, TINY, files_state, flip_byte, train_tiny
 
 
 def _cfg(tmp_path: Path, **over) -> Path:
@@ -22,7 +22,7 @@ def _cfg(tmp_path: Path, **over) -> Path:
     if not data.exists():
         data.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"ok {i}"}) + "\n" for i in range(8)))
     cfg = {"model": "tiny-qwen2-moe", "method": "revffn", "data": str(data), "output_dir": str(tmp_path / "run"),
-           "max_steps": 2, "save_steps": 1, "revffn": {"adapter_warmup_steps": 1}, "max_seq_length": 64}
+           "max_steps": 2, "save_steps": 1, "max_seq_length": 64}
     cfg.update(over)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -104,7 +104,7 @@ def test_all_problems_reported_at_once(tmp_path, capsys):
 def test_override_errors_and_overrides_win(tmp_path, capsys):
     p = _cfg(tmp_path)
     _fails(capsys, ["validate", str(p), "max_steps=-4"], "override", "max_steps")
-    assert cli.main(["validate", str(p), "max_steps=7", "revffn.adapter_warmup_steps=3"]) == 0
+    assert cli.main(["validate", str(p), "max_steps=7", "revffn.buffer_bits=4"]) == 0
 
 
 def test_missing_data_file(tmp_path, capsys):
@@ -210,10 +210,10 @@ def _drop_keys(*keys):
 def test_resume_of_a_buffered_checkpoint_from_before_the_momentum_sign(capsys, tmp_path):
     """A buffered run from before `revffn.buffer_momentum` ran the negative form: resuming it with the default
     (positive) is refused, naming the value to resume with; an additive run, which never read the key, resumes."""
-    trained = train_tiny(tmp_path / "buffered", "revffn.coupling=buffered")
+    trained = train_tiny(tmp_path / "buffered", base=BUFFERED)
     _drop_keys("revffn.buffer_momentum")(trained / "checkpoints")
     before = files_state(trained)
-    _fails(capsys, ["train", str(QUICKSTART), *TINY, "revffn.coupling=buffered", f"output_dir={trained}",
+    _fails(capsys, ["train", str(QUICKSTART), *BUFFERED, f"output_dir={trained}",
                     "resume=true"], "the config says revffn.buffer_momentum='positive'",
            "was trained with revffn.buffer_momentum='negative'", "revffn.buffer_momentum=negative")
     assert files_state(trained) == before

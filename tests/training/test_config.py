@@ -12,7 +12,7 @@ from revffn.training.config import SCHEMA, TrainConfig, load_config
 
 
 def test_every_key_is_a_typed_field_and_the_config_is_frozen():
-    cfg = load_config(None, ["max_steps=17", "revffn.stream_width=half"])
+    cfg = load_config(None, ["max_steps=17", "revffn.coupling=additive", "revffn.stream_width=half"])
     hints = TrainConfig.__annotations__
     assert {f.name for f in dataclasses.fields(cfg)} == set(SCHEMA) | {"sections", "source"}
     assert all(hints[k] == annotation(key) for k, key in SCHEMA.items())
@@ -26,7 +26,7 @@ def test_every_key_is_a_typed_field_and_the_config_is_frozen():
 
 
 def test_method_options_are_records_of_their_own_schema():
-    cfg = load_config(None, ["revffn.stream_width=half", "lora.r=4"])
+    cfg = load_config(None, ["revffn.coupling=additive", "revffn.stream_width=half", "lora.r=4"])
     opts = cfg.options("revffn")
     assert isinstance(opts, Record) and type(opts) is METHODS["revffn"].Options
     assert opts.stream_width == "half" and opts["stream_width"] == "half" and dict(opts)["stream_width"] == "half"
@@ -48,7 +48,7 @@ def test_a_method_instance_holds_the_typed_options():
 
 def test_the_config_crosses_processes():
     """A restart runs in a child process and a worker gets its config: it pickles, options records included."""
-    cfg = load_config(None, ["revffn.stream_width=half"])
+    cfg = load_config(None, ["revffn.coupling=additive", "revffn.stream_width=half"])
     again = pickle.loads(pickle.dumps(cfg))
     assert again == cfg and type(again.options("revffn")) is METHODS["revffn"].Options
 

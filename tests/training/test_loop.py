@@ -15,7 +15,7 @@ from revffn.training.config import load_config
 
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 1, hidden_size: 32}", "data=builtin:reversal_train",
         "eval_data=null", "max_steps=4", "logging_steps=1", "save_steps=0", "per_device_train_batch_size=2",
-        "max_seq_length=32", "dtype=float32", "device=cpu", "revffn.adapter_warmup_steps=1"]
+        "max_seq_length=32", "dtype=float32", "device=cpu"]
 
 
 @pytest.fixture

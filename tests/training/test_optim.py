@@ -48,7 +48,10 @@ def test_build_optimizer_takes_the_config():
 # -- optimizer_in_backward and the optimizer choices, through the real training step -----------------------
 TINY = ["model=tiny-qwen2-moe", "model_config={num_hidden_layers: 3, hidden_size: 64, vocab_size: 500}",
         "dtype=float32", "device=cpu", "learning_rate=1e-3", "warmup_steps=0", "weight_decay=0.01",
-        "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=1", "revffn.heal_data=task"]
+]
+# revffn with the additive coupling: its stage boundary at step 1
+ADDITIVE = ["revffn.coupling=additive", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=1",
+            "revffn.heal_data=task"]
 
 
 def _batch(seed: int) -> dict:
@@ -66,14 +69,15 @@ def _weights_after(method: str, steps: int, *overrides: str):
 
 
 @pytest.mark.parametrize("method,extra", [("full", []), ("ckpt", []), ("revffn", []),
-                                          ("revffn", ["revffn.recompute_chunk_tokens=7"])])
+                                          ("revffn", ["revffn.recompute_chunk_tokens=7"]), ("revffn", ADDITIVE),
+                                          ("revffn", [*ADDITIVE, "revffn.recompute_chunk_tokens=7"])])
 def test_in_backward_step_equals_the_ordinary_step(method, extra, one_thread):
     """fp32, AdamW, clipping off: stepping each parameter inside the backward gives the same weights
-    (revffn: across its stage boundary; each block is stepped inside its own backward_pass, after the
-    last chunk of a chunked recompute)."""
+    (revffn: each block is stepped inside its own backward_pass, after the last chunk of a chunked recompute;
+    the additive coupling across its stage boundary)."""
     ref, ref_norms, _ = _weights_after(method, 4, "max_grad_norm=0", *extra)
     got, norms, run = _weights_after(method, 4, "max_grad_norm=0", "optimizer_in_backward=true", *extra)
-    if extra:
+    if any("recompute_chunk_tokens" in e for e in extra):
         assert run.model.last_stack_stats.get("recompute_chunks")  # the chunked path ran
     assert isinstance(run.optimizer, InBackward)
     assert all(p.grad is None for p in run.model.parameters())  # every gradient freed in backward
@@ -269,7 +273,7 @@ def test_optimizers_train_and_resume_exactly(optimizer, in_backward, tmp_path, o
             "model_config={num_hidden_layers: 2, hidden_size: 64}", "max_steps=6", "save_steps=3",
             "per_device_train_batch_size=4", "max_seq_length=32", "dtype=float32", "device=cpu",
             "learning_rate=" + ("3e-2" if optimizer == "adafactor" else "1e-3"), "logging_steps=1",
-            "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=2",
+            "revffn.coupling=additive", "revffn.adapter_init=coordinate", "revffn.adapter_warmup_steps=2",
             "revffn.heal_data=task", f"optimizer={optimizer}", f"optimizer_in_backward={str(in_backward).lower()}"]
     ref, resumed = _run_and_resume(args, tmp_path)
     assert ref[6] < ref[1]

@@ -21,7 +21,7 @@ BASE = {
     "model": "tiny-qwen2-moe", "method": "revffn", "data": "builtin:reversal_train",
     "max_steps": 10, "save_steps": 3, "save_total_limit": 2, "logging_steps": 1, "seed": 3,
     "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_seq_length": 48,
-    "learning_rate": 2e-3, "warmup_steps": 2, "revffn": {"adapter_warmup_steps": 4},  # boundary at step 5
+    "learning_rate": 2e-3, "warmup_steps": 2,
 }
 
 
@@ -96,8 +96,8 @@ def test_a_full_disk_while_saving_exits_1_in_one_line_and_resume_continues_exact
 def test_damaged_latest_checkpoint_rolls_back(tmp_path):
     """One flipped byte in step-6's weights: resume=true rolls back to step-3 (events.jsonl and a warning
     say so, step-6 is moved aside), finishes, and steps 4-7 reproduce the losses the killed run logged
-    uninterrupted. (Coordinate adapters: no calibration, the cheapest two runs.)"""
-    cfg = _write(tmp_path, "run", revffn={"adapter_warmup_steps": 4, "adapter_init": "coordinate"})
+    uninterrupted. (The buffered default: no calibration, the cheapest two runs.)"""
+    cfg = _write(tmp_path, "run")
     first = _train(cfg, fault="kill@step:8")
     assert first.returncode == -9, first.stderr[-2000:]
     run = tmp_path / "run"
@@ -141,7 +141,7 @@ def test_crash_without_restarts_exits_1(tmp_path):
 
 def test_nan_loss_stops_with_exit_1_and_keeps_checkpoint(tmp_path):
     cfg = _write(tmp_path, "run", learning_rate=1e30, warmup_steps=0, save_steps=1, max_grad_norm=0.0,
-                 max_steps=6, revffn={"adapter_warmup_steps": 0})
+                 max_steps=6)
     proc = _train(cfg)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "diverged" in proc.stderr and "nan" in proc.stderr.lower()

@@ -19,7 +19,6 @@ TINY = "model_config={num_hidden_layers: 2, hidden_size: 64, router_aux_loss_coe
 
 def _config(method: str, *overrides: str):
     return load_config(None, ["model=tiny-qwen2-moe", TINY, f"method={method}", "dtype=float32", "device=cpu",
-                              "revffn.adapter_warmup_steps=0", "revffn.adapter_init=coordinate",  # (no calibration)
                               "learning_rate=1e-3", "warmup_steps=0",
                               "max_grad_norm=0", *overrides])
 

@@ -25,7 +25,7 @@ RUN = {
     "model": "tiny-qwen2-moe", "model_config": {"num_hidden_layers": 1, "hidden_size": 128},
     "data": "builtin:reversal_train", "eval_data": None, "max_steps": 40, "save_steps": 3, "logging_steps": 1,
     "seed": 3, "per_device_train_batch_size": 8, "max_seq_length": 64, "dtype": "float32", "device": "cpu",
-    "revffn": {"adapter_warmup_steps": 3}, "memory_growth_window": 10, "memory_growth_tolerance_mib": 8,
+    "memory_growth_window": 10, "memory_growth_tolerance_mib": 8,
 }
 
 
