@@ -316,7 +316,7 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     problems = [f"{p} ({k}: {keys[k].help})" for k, v in given.items() if (p := check_value(f"option {k}", v, keys[k]))]
     if problems:
         raise UserError(" ".join(problems))
-    unused = method.unused_options({k: v for k, v in given.items() if k in method.SCHEMA}, 1 << 30) \
+    unused = method.unused_options({k: v for k, v in given.items() if k in method.SCHEMA}) \
         if hasattr(method, "unused_options") else {}
     for k, (reads, has) in unused.items():  # (as training refuses it: `Method.unused_options`)
         prefix = f"{method.name}."

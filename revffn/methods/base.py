@@ -98,7 +98,7 @@ class Method:
         return {}
 
     @classmethod
-    def unused_options(cls, opts: dict, max_steps: int, defaults: dict | None = None) -> dict[str, tuple[str, str]]:
+    def unused_options(cls, opts: dict, defaults: dict | None = None) -> dict[str, tuple[str, str]]:
         """The options of `opts` (a whole section, or some keys over the defaults; `defaults`: `model_defaults`) set
         to other than their default that the run they describe would not read: key -> (the setting that reads it,
         the run's own). `validate` refuses them; the study drops those its own presets set. Default: none."""

@@ -78,6 +78,7 @@ RECOMPUTE_CHUNK_TOKENS = 1024
 ADDITIVE_OPTIONS = ("adapter_warmup_steps", "adapter_warmup_ratio", "train_adapters", "stream_dtype", "adapter_init",
                     "adapter_skip", "stream_width", "calibration_data", "calibration_tokens", "heal_data", "heal_norms",
                     "heal_hidden_coef", "fold_adapters")
+BUFFERED_OPTIONS = ("buffer_bits", "buffer_momentum")  # the buffered coupling's: the additive one reads neither
 
 
 def _sequences(n: int) -> str:
@@ -219,7 +220,7 @@ class RevFFNMethod(Method):
         return {"coupling": coupling, **{name: converted_option(model, name) for name in structure}}
 
     @classmethod
-    def unused_options(cls, opts: dict, max_steps: int, defaults: dict | None = None) -> dict[str, tuple[str, str]]:
+    def unused_options(cls, opts: dict, defaults: dict | None = None) -> dict[str, tuple[str, str]]:
         """Each coupling reads its own options: the additive coupling ADDITIVE_OPTIONS, the buffered one buffer_bits
         and buffer_momentum (the default changed from additive to buffered in stop 47: an additive config or command
         of before would otherwise train the other coupling, its options unread). An option that a switch of the
@@ -227,29 +228,15 @@ class RevFFNMethod(Method):
         kept, as HF's TrainingArguments keep warmup_ratio beside warmup_steps: turning a feature off is not an
         error."""
         d = {k: key.default for k, key in cls.SCHEMA.items()} | (defaults or {})
-        o = d | opts
-        out: dict[str, tuple[str, str]] = {}
-
-        def need(keys, reads: str, has: str) -> None:
-            for k in keys:
-                if k in opts and opts[k] != d[k] and k not in out:
-                    out[k] = (reads, has)
-
-        def shown(k: str) -> str:
-            v = o[k]
-            value = str(v).lower() if isinstance(v, bool) else v
-            return f"revffn.{k}={value}" + (" (the default)" if v == d[k] else "")
-
-        if o["coupling"] == "buffered":
-            need(ADDITIVE_OPTIONS, "revffn.coupling=additive", shown("coupling"))
-        else:
-            need(("buffer_bits", "buffer_momentum"), "revffn.coupling=buffered", shown("coupling"))
-        return out
+        coupling = opts.get("coupling", d["coupling"])
+        keys, other = (ADDITIVE_OPTIONS, "additive") if coupling == "buffered" else (BUFFERED_OPTIONS, "buffered")
+        has = f"revffn.coupling={coupling}" + (" (the default)" if coupling == d["coupling"] else "")
+        return {k: (f"revffn.coupling={other}", has) for k in keys if k in opts and opts[k] != d[k]}
 
     @classmethod
     def validate(cls, cfg) -> None:
         opts = cfg.section(cls.name)
-        unused = cls.unused_options(opts, cfg.max_steps, cls.model_defaults(cfg.model))
+        unused = cls.unused_options(opts, cls.model_defaults(cfg.model))
         if unused:
             lines = [f"revffn.{k}={str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k]} is read only "
                      f"with {reads}, and this run has {has}: it would change nothing. Fix: drop revffn.{k}, or set "

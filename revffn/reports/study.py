@@ -142,7 +142,7 @@ class StudyPlan:
         preset = {**self.base.method_options[method], **variant} if method in self.base.method_options else \
             _method(method).study_options(self.steps, **variant)
         options = {**preset, **self.overrides.get(method, {})}
-        unused = _method(method).unused_options(options, self.steps)  # (a preset's key another setting overrules:
+        unused = _method(method).unused_options(options)  # (a preset's key another setting overrules:
         return {k: v for k, v in options.items() if k not in unused}  # dropped; a --set one is refused up front)
 
     def converts_once(self, method: str) -> bool:
@@ -471,7 +471,7 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
             method, _, key = item.partition("=")[0].partition(".")
             if method in plan.methods:
                 preset = plan.options(method)
-                unused = _method(method).unused_options({**preset, key: plan.overrides[method][key]}, plan.steps)
+                unused = _method(method).unused_options({**preset, key: plan.overrides[method][key]})
                 if key in unused:
                     reads, has = unused[key]
                     raise UserError(f"--set {item!r}: {method}.{key} is read only with {reads}, and this study's "

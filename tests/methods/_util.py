@@ -62,10 +62,9 @@ def adapter_ranks(model) -> dict[str, int]:
             if isinstance(mod, BaseTunerLayer) and "default" in getattr(mod, "r", {})}
 
 
-def unadapted_linears(model, ranks: dict[str, int], names=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj")) -> list[str]:
-    """The decoder layers' Linear modules of these names that no adapter layer covers (peft wraps a Linear whether
-    it is targeted as a module or through its `.weight`)."""
-    linears = [n.replace(".base_layer", "") for n, m in model.named_modules()
-               if type(m) is torch.nn.Linear and ".layers." in n and n.rsplit(".", 1)[-1] in names]
-    return [n.removesuffix(".base_layer") for n in linears if n.removesuffix(".base_layer") not in ranks]
+def unadapted_linears(model, names=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                   "down_proj")) -> list[str]:
+    """The decoder layers' Linear modules of these names that peft left unwrapped (it wraps a Linear it adapts,
+    as a module or through its `.weight`, which then sits at NAME.base_layer)."""
+    return [n for n, m in model.named_modules()
+            if type(m) is torch.nn.Linear and ".layers." in n and n.rsplit(".", 1)[-1] in names]

@@ -38,7 +38,7 @@ def test_method_on_preset(preset, method, tmp_path):
         ranks = adapter_ranks(model)
         # shared experts + dense layer 0 (glm4_moe): each Linear adapted once, as a module (peft 0.22) or through
         # its weight where peft moves its name to the fused experts (0.21); every rank r, none doubled
-        assert not unadapted_linears(model, ranks) and set(ranks.values()) == {16}
+        assert not unadapted_linears(model) and set(ranks.values()) == {16}
         assert not meth.peft_model.peft_config["default"].rank_pattern  # ranks stay r
     if method in ("lora", "dora"):  # the estimate counts what the installed peft adapts (`Dims.peft_rewrites`)
         moved = [t for t in meth.targets[1] if t.endswith("_proj.weight")] if method == "lora" else meth.not_covered

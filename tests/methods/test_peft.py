@@ -24,7 +24,7 @@ def test_only_adapters_train_and_merge_matches(name, tmp_path):
     assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(modules)
     ranks = adapter_ranks(model)
     assert set(ranks.values()) == {4}  # no fused-expert rank pattern (peft 0.22 would give the experts 2r)
-    assert not unadapted_linears(model, ranks)  # attention and the shared expert's gate/up/down, each once
+    assert not unadapted_linears(model)  # attention and the shared expert's gate/up/down, each once
     experts = [n for n in ranks if n.endswith("mlp.experts")]
     if name == "lora":  # the fused 3-D experts, through peft's target_parameters
         assert parameters == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] and len(experts) == 2
