@@ -221,6 +221,9 @@ def cmd_study(args) -> int:
         if (out / "study.json").exists():
             raise UserError(f"--out {args.out}: holds a study already (study.json). Fix: choose a new directory, or "
                             "delete it first.")
+        if args.methods is not None and not args.methods.strip():
+            raise UserError("--methods: empty, which would run every method. Fix: a comma-separated list, e.g. "
+                            "--methods full,revffn, or drop --methods for every method.")
         methods = tuple(args.methods.split(",")) if args.methods else None
         if args.base:  # here, where a Hub ID may still download: the study's processes run offline
             from revffn.models.loading import check_model_ref, model_kind, resolve_model_ref

@@ -480,6 +480,11 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
     if grids:
         plan = replace(plan, lr_grid={**plan.lr_grid, **lr_grids(plan, grids)})
     plan = replace(plan, **{k: v for k, v in overrides.items() if v})
+    for flag, items, sep in (("--set", sets, "."), ("--lr-grid", grids, "=")):
+        for item in items:  # a method this study does not run: its setting would change nothing
+            if (method := item.partition(sep)[0]) not in plan.methods:
+                raise UserError(f"{flag} {item!r}: {method} is not among this study's methods "
+                                f"({', '.join(plan.methods)}). Fix: drop it, or add {method} to --methods.")
     if heal_steps and not any(plan.converts_once(m) for m in plan.methods):
         raise UserError(f"--heal-steps {heal_steps}: no method of this study trains a converted model (RevFFN's "
                         "buffered coupling, the default, trains the base: nothing to heal). Fix: drop --heal-steps, or "

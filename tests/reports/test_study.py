@@ -83,6 +83,12 @@ def test_render_of_a_damaged_study_json_exits_2(tmp_path, capsys, text, says):
     assert says in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]
 
 
+def test_an_empty_methods_list_is_refused(tmp_path, capsys):
+    """`--methods ""` (an empty shell variable) ran every method, hours of them."""
+    assert cli.main(["study", "--methods", "", "--out", str(tmp_path / "s")]) == 2
+    assert "--methods: empty" in capsys.readouterr().err and not (tmp_path / "s").exists()
+
+
 def test_a_random_preset_as_the_base_is_refused(tmp_path, capsys):
     """Every run failed on its tokenizer, then the page with a TypeError (exit 1, study.json and plots left)."""
     assert cli.main(["study", "--quick", "--out", str(tmp_path / "s"), "--base", "tiny-qwen2-moe"]) == 2
@@ -268,6 +274,9 @@ def test_set_and_lr_grid_reach_the_runs(tmp_path):
     job = study._job(plan, tmp_path, "revffn", "commas", 0, 1e-5, eval_val=False)
     assert job["options"]["train_adapters"] is True and plan.options("lora")["r"] == 4
     assert plan_for(False, "builtin:smollm2", sets=["revffn.buffer_bits=4"]).options("revffn")["buffer_bits"] == 4
+    for bad, flag in ((dict(sets=["lora.r=4"]), "--set 'lora.r=4'"), (dict(lr_grids=["lora=1e-3"]), "--lr-grid")):
+        with pytest.raises(UserError, match=f"^{flag}.*lora is not among this study's methods \\(full, revffn\\)"):
+            plan_for(False, "builtin:smollm2", methods=("full", "revffn"), **bad)
     with pytest.raises(UserError, match=r"^--set 'revffn.train_adapters=true': revffn.train_adapters is read only "
                                         r"with revffn.coupling=additive, .*Fix: drop it, or --set revffn.coupling="):
         plan_for(False, "builtin:smollm2", sets=["revffn.train_adapters=true"])  # (the buffered default)
