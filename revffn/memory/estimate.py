@@ -318,11 +318,11 @@ def _options(method: MemoryMethod, given: dict) -> dict:
         raise UserError(" ".join(problems))
     unused = method.unused_options({k: v for k, v in given.items() if k in method.SCHEMA}) \
         if hasattr(method, "unused_options") else {}
-    for k, (reads, has) in unused.items():  # (as training refuses it: `Method.unused_options`)
-        prefix = f"{method.name}."
-        raise UserError(f"--option {k}={given[k]}: read only with {reads.replace(prefix, '')}, and this estimate has "
-                        f"{has.replace(prefix, '')}: it would change nothing. Fix: drop it, or --option "
-                        f"{reads.replace(prefix, '')}.")
+    if unused:  # (as training refuses it: `Method.unused_options`), the first one named
+        k, (reads, has) = next(iter(unused.items()))
+        reads, has = (text.replace(f"{method.name}.", "") for text in (reads, has))
+        raise UserError(f"--option {k}={given[k]}: read only with {reads}, and this estimate has {has}: it would "
+                        f"change nothing. Fix: drop it, or --option {reads}.")
     return {k: given.get(k, key.default) for k, key in keys.items()}
 
 
