@@ -109,10 +109,24 @@ def file_in_the_way(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
-# what a model directory revffn writes holds (save_pretrained's weights, configs, tokenizer files and remote code,
-# revffn.json, the model card, peft's adapter/): `--overwrite` replaces only a directory of these
+# what a model directory revffn wrote before its revffn.json listed its `files` (`record_files`) holds
+# (save_pretrained's weights, configs, tokenizer files and remote code, revffn.json, the model card, peft's
+# adapter/): `--overwrite` replaces such a directory only if it holds nothing else
 MODEL_FILES = ("*.safetensors", "*.json", "*.py", "*.jinja", "*.txt", "*.model", "*.tiktoken", "README.md",
                "adapter/")
+
+
+def _entries(d: Path) -> list[str]:
+    return sorted(p.name + "/" * p.is_dir() for p in d.iterdir())
+
+
+def record_files(d: Path) -> None:
+    """Add `files` to `d`'s revffn.json (where it has one): every entry revffn wrote there, itself included, so
+    that `check_replaceable` tells them from files a user puts beside them later."""
+    f = d / "revffn.json"
+    if f.is_file():
+        manifest = json.loads(f.read_text())
+        f.write_text(json.dumps({**manifest, "files": _entries(d)}, indent=1) + "\n")
 
 
 def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: str | None = None) -> None:
@@ -136,7 +150,7 @@ def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: s
     except OSError as e:
         raise UserError(f"{flag}: {str(out)!r} cannot be written: {e.strerror or e} in {str(nearest)!r}. Nothing "
                         "was written. Fix: a directory you can write to.") from None
-    entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []
+    entries = _entries(out) if out.is_dir() else []
     if not entries:
         return
     if not overwrite:
@@ -147,7 +161,12 @@ def check_replaceable(out: Path, overwrite: bool, flag: str = "--out", source: s
         raise UserError(f"{flag}: {str(out)!r} is not a model directory revffn wrote (no revffn.json), and "
                         f"--overwrite would delete what it holds: {listed}. Nothing was written. Fix: choose a new "
                         "directory, or move those files away.")
-    foreign = [e for e in entries if not any(fnmatch.fnmatch(e, pattern) for pattern in MODEL_FILES)]
+    try:
+        written = json.loads((out / "revffn.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        written = None  # damaged: judged by its entries' names, as a directory from before `files`
+    foreign = [e for e in entries if e not in written] if isinstance(written, list) else \
+        [e for e in entries if not any(fnmatch.fnmatch(e, pattern) for pattern in MODEL_FILES)]
     if foreign:  # (a model directory with the user's own files added: the swap would delete them with it)
         listed = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
         raise UserError(f"{flag}: {str(out)!r} holds {listed} beside the model revffn wrote, and --overwrite "
@@ -179,8 +198,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def staged_dir(out: Path, step=None):
-    """Yield an empty temporary directory beside `out`; on success it replaces `out`, on any error it is removed
-    and `out` is left as it was.
+    """Yield an empty temporary directory beside `out`; on success it replaces `out` (its revffn.json, if it has
+    one, listing its `files`: `record_files`), on any error it is removed and `out` is left as it was.
 
     The swap: write `.tmp-NAME-PID-…` and fsync it (step 1); exchange it with `out` in one atomic rename (Linux
     `renameat2(RENAME_EXCHANGE)`, step 2), so `out` is complete at every instant, old or new; delete the old one
@@ -198,6 +217,7 @@ def staged_dir(out: Path, step=None):
     mark = step or (lambda k: None)
     try:
         yield tmp
+        record_files(tmp)
         _fsync_tree(tmp)
         mark(1)
         if not out.exists():

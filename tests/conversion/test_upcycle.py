@@ -83,7 +83,9 @@ def test_cli_writes_the_measured_delta_and_the_moe_reloads(tmp_path, capsys):
     assert main(["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe"), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)
     written = json.loads((tmp_path / "moe" / "revffn.json").read_text())
-    assert manifest == written and written["format"] == "hf"
+    assert manifest == {k: v for k, v in written.items() if k != "files"} and written["format"] == "hf"
+    assert written["files"] == sorted(p.name for p in (tmp_path / "moe").iterdir())  # what --overwrite may replace
+    assert {"config.json", "model.safetensors", "revffn.json", "tokenizer.json"} <= set(written["files"])
     assert 0 <= written["max_abs_dlogit"] <= TOLERANCE
     # the directory is plain transformers, and equals the dense model as loaded from disk
     moe = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
@@ -162,6 +164,15 @@ def test_overwrite_replaces_only_a_model_directory_revffn_wrote(tmp_path, capsys
     err = capsys.readouterr().err
     assert "holds evals/, notes.md beside the model revffn wrote" in err and "Fix: move those out" in err, err
     assert (tmp_path / "out" / "notes.md").read_text() == "mine" and (tmp_path / "out" / "revffn.json").is_file()
+    (tmp_path / "out" / "notes.md").unlink()
+    (tmp_path / "out" / "evals").rmdir()
+    (tmp_path / "out" / "eval_results.json").write_text("{}")  # named like a model's file: revffn.json's `files` says
+    assert main(argv) == 2                                        # it is not one revffn wrote
+    assert "holds eval_results.json beside the model revffn wrote" in capsys.readouterr().err
+    manifest = json.loads((tmp_path / "out" / "revffn.json").read_text())
+    del manifest["files"]  # a directory written before revffn.json listed its files: judged by the names
+    (tmp_path / "out" / "revffn.json").write_text(json.dumps(manifest))
+    assert main(argv) == 0 and not (tmp_path / "out" / "eval_results.json").exists()
     (tmp_path / "thesis").mkdir()
     (tmp_path / "thesis" / "ch1.tex").write_text("keep")
     assert main(["convert", "tiny-qwen2-moe", "--out", str(tmp_path / "thesis"), "--overwrite"]) == 2
@@ -210,3 +221,4 @@ def test_a_cache_entry_built_off_rank_0_of_a_process_group_is_written_whole(tmp_
     assert loaded.config.model_type == "mixtral"
     if hasattr(transformers.PreTrainedModel, "should_save_on_this_rank"):  # the failure it guards against
         assert not (tmp_path / "plain" / "config.json").exists()
+
