@@ -102,9 +102,10 @@ def cmd_check(args) -> int:
     import torch
 
     from revffn.conversion.convert import AUTO, STREAM_DTYPES
+    from revffn.memory.measure import refuse_beyond_free
     from revffn.models.loading import is_converted, model_kind, parse_dtype
     from revffn.models.model_config import check_width
-    from revffn.reports.check import format_report, run_check
+    from revffn.reports.check import check_bytes, format_report, run_check
 
     model_kind(args.model, "--model")  # a tiny preset, a config-only preset (random init) or a directory
     dtype = parse_dtype(args.dtype, "--dtype")
@@ -124,6 +125,13 @@ def cmd_check(args) -> int:
                             f"Fix: drop {flag}, or give {needs}.")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # as run_check picks
     check_width(args.model, args.layers, args.hidden, compute=dtype, device="cuda" if cuda else "cpu")
+    if need := check_bytes(args.model, args.layers, args.hidden, args.dtype, args.batch, args.seq):
+        models, steps = need
+        refuse_beyond_free(models + steps, torch.device("cuda" if cuda else "cpu"),
+                           f"--model {args.model} at --batch {args.batch} --seq {args.seq}: the check (the model and "
+                           f"its converted copy, {models / 2**30:.1f} GiB, and one step's activations, "
+                           f"{steps / 2**30:.1f} GiB)",
+                           "fewer --layers or a smaller --hidden" if models > steps else "a smaller --seq or --batch")
     report = run_check(args.model, args.layers, args.dtype, args.batch, args.seq, args.seed, args.adapter_init,
                        stream_dtype=STREAM_DTYPES.get(args.stream_dtype, AUTO), device=args.device, hidden=args.hidden,
                        stream_width=args.stream_width, coupling=args.coupling, buffer_momentum=args.buffer_momentum)
@@ -345,7 +353,11 @@ def cmd_convert(args) -> int:
 
 
 def cmd_upcycle(args) -> int:
-    from revffn.conversion.upcycle import upcycle_into
+    import torch
+    from transformers import AutoConfig
+
+    from revffn.conversion.upcycle import check_upcycle, upcycle_bytes, upcycle_into
+    from revffn.memory.measure import refuse_beyond_free
     from revffn.models.cache import check_replaceable, staged_dir
     from revffn.models.loading import check_model_ref, resolve_model_ref
 
@@ -357,6 +369,11 @@ def cmd_upcycle(args) -> int:
         raise UserError(f"MODEL: {args.model!r} names no model directory (a tiny or config preset is built in "
                         "memory with random weights; upcycle reads a pretrained model's files). Nothing was written. "
                         "Fix: a model directory, a Hub ID, a GGUF file or builtin:smollm2.")
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    check_upcycle(config, args.experts, args.top_k, args.arch, key="MODEL")
+    refuse_beyond_free(upcycle_bytes(config, args.experts, args.top_k, args.arch), torch.device("cpu"),
+                       f"--experts {args.experts}: upcycling MODEL (the dense model and the MoE, fp32)",
+                       "fewer --experts, or a machine with more memory")
     with staged_dir(out) as tmp:
         manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
     print(json.dumps(manifest) if args.json else

@@ -101,6 +101,16 @@ def moe_config(config, experts: int, top_k: int, arch: str, renormalize: bool = 
     return out
 
 
+def upcycle_bytes(config, experts: int, top_k: int, arch: str) -> int:
+    """The fp32 bytes `upcycle_into` holds at once, at least: the dense model and its MoE twin, counted on the meta
+    device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        models = [AutoModelForCausalLM.from_config(c) for c in (config, moe_config(config, experts, top_k, arch))]
+    return 4 * sum(p.numel() for m in models for p in m.parameters())
+
+
 @torch.no_grad()
 def upcycle(dense, experts: int, top_k: int, arch: str = "mixtral", seed: int = 0, renormalize: bool = True,
             key: str = "model"):

@@ -125,6 +125,21 @@ def _peft_rewrites(model_type: str) -> bool:
 
 
 def dims(config) -> Dims:
+    """The geometry of `config`, a decoder config of transformers' usual fields.
+
+    Raises:
+        UserError: naming the model type and the field, where the config lacks one (dbrx's `ffn_config`,
+            moshi's audio decoder, ...): a traceback before.
+    """
+    try:
+        return _dims(config)
+    except AttributeError as e:
+        raise UserError(f"{config.model_type}: the memory estimate reads a decoder config's usual fields, and this "
+                        f"one has no {e.name!r}. Fix: measure it instead (revffn bench --model ... --methods "
+                        "...), which builds the model.") from None
+
+
+def _dims(config) -> Dims:
     c, mt = config, config.model_type
     d, L, H = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
     E = next((n for k in ("num_experts", "num_local_experts", "n_routed_experts")

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from revffn.errors import UserError
+
 
 class SavedTensorLog:
     """Storages saved for backward while active; `bytes(exclude)` sums them."""
@@ -118,3 +120,28 @@ def memory_in_use_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     return current_rss_bytes()
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """What an allocation on `device` can still take: CUDA's free memory, or the host's available memory plus its
+    free swap."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available + psutil.swap_memory().free
+
+
+def refuse_beyond_free(needed: int, device: torch.device, what: str, fix: str) -> None:
+    """Refuse work that needs at least `needed` bytes on `device` where less is free, before it allocates: past
+    the host's memory the kernel's OOM killer ends the process without a word (and a GPU's OutOfMemoryError comes
+    only after minutes of work).
+
+    Raises:
+        UserError: naming `what` (the flag, and what it needs) and `fix`.
+    """
+    free = free_memory_bytes(device)
+    if needed > free:
+        where = "on the GPU" if device.type == "cuda" else "in host memory (swap included)"
+        raise UserError(f"{what} needs at least {needed / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free {where}. "
+                        f"Nothing was written. Fix: {fix}.")

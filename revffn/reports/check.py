@@ -25,6 +25,7 @@ import math
 import torch
 
 from revffn.conversion.convert import AUTO, convert, describe_streams, pick_stream_dtype
+from revffn.errors import UserError
 from revffn.memory.measure import saved_bytes_of_stack
 from revffn.reversible.buffered import DEFAULT_MOMENTUM, deterministic_kernels
 
@@ -95,6 +96,24 @@ def grad_error(g_plain: dict, g_rev: dict) -> tuple[float, str | None]:
 
 def _flat(grads: dict, names) -> torch.Tensor:
     return torch.cat([grads[n].reshape(-1) for n in names])
+
+
+def check_bytes(model: str, layers: int | None, hidden: int | None, dtype: str, batch: int,
+                seq: int) -> tuple[int, int] | None:
+    """The check's peak, at least (`run_check` holds more), in two parts: the models (the fp32 model and its
+    converted copy) and one plain-autograd step's activations and logits (`revffn estimate`'s, of `full` in the
+    check's dtype); None for a config the estimate cannot read (`estimate.dims`), which the check still runs."""
+    from revffn.memory.estimate import estimate
+    from revffn.methods import method_class
+    from revffn.models.loading import config_overrides, hf_config
+
+    config = hf_config(model, **config_overrides(model, layers, hidden, shipped_vocab=False))
+    try:
+        est = estimate(config, method_class("full"), batch, seq,
+                       "bfloat16" if dtype in ("bfloat16", "bf16") else "float32")
+    except UserError:
+        return None
+    return 4 * est["total_params"] + est["weights"], est["activations"] + est["logits"]
 
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,

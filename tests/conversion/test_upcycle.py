@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from revffn.cli import main
-from revffn.conversion.upcycle import TOLERANCE, max_logit_delta, upcycle
+from revffn.conversion.upcycle import TOLERANCE, max_logit_delta, upcycle, upcycle_bytes
 from revffn.errors import UserError
 
 DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -222,3 +222,18 @@ def test_a_cache_entry_built_off_rank_0_of_a_process_group_is_written_whole(tmp_
     if hasattr(transformers.PreTrainedModel, "should_save_on_this_rank"):  # the failure it guards against
         assert not (tmp_path / "plain" / "config.json").exists()
 
+
+def test_more_experts_than_the_memory_holds_exits_2_before_the_weights_are_read(tmp_path, capsys, monkeypatch):
+    """`--experts 100000` allocated until the OOM killer ended it. The fp32 dense model and its MoE twin, counted
+    on the meta device (`upcycle_bytes`: exactly their parameters), are checked against the free memory first."""
+    src = _save_dense(tmp_path)
+    d = transformers.AutoModelForCausalLM.from_pretrained(src)
+    need = upcycle_bytes(d.config, 4, 2, "mixtral")
+    assert need == 4 * sum(p.numel() for m in (d, upcycle(d, 4, 2)) for p in m.parameters())
+    monkeypatch.setattr("revffn.memory.measure.free_memory_bytes", lambda device: need - 1)
+    assert main(["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe")]) == 2
+    err = capsys.readouterr().err
+    assert "--experts 4: upcycling MODEL (the dense model and the MoE, fp32) needs at least" in err, err
+    assert "Fix: fewer --experts" in err and not (tmp_path / "moe").exists()
+    monkeypatch.setattr("revffn.memory.measure.free_memory_bytes", lambda device: need)
+    assert main(["upcycle", str(src), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe")]) == 0

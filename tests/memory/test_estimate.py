@@ -293,3 +293,19 @@ def test_calibration_against_saved_tensor_log(name):
     layer = _measured_revffn(name, 2, reversible=False) - _measured_revffn(name, 1, reversible=False)
     assert rev["recompute_working_set"] == pytest.approx(layer, rel=0.15)
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_config_without_the_usual_fields_is_an_error_naming_it(tmp_path):
+    """dbrx keeps its MLP sizes in `ffn_config`: the estimate raised AttributeError (a traceback from `revffn
+    estimate`). It is a UserError naming the type and the field; `revffn check`, which builds the model, then
+    runs without its memory floor."""
+    from revffn.models.tiny_any import tiny_model_for
+    from revffn.reports.check import check_bytes
+
+    hf = tiny_model_for("dbrx")
+    with pytest.raises(UserError, match="dbrx: the memory estimate .* has no 'intermediate_size'. Fix: measure it"):
+        estimate_of(hf.config, method_class("full"), 2, 32)
+    hf.save_pretrained(tmp_path / "dbrx")
+    assert check_bytes(str(tmp_path / "dbrx"), None, None, "float32", 2, 32) is None
+    assert check_bytes("tiny-qwen2-moe", None, None, "float32", 2, 32)[0] == 8 * count_params(
+        hf_config("tiny-qwen2-moe"))["total"]  # the fp32 model and its fp32 converted copy

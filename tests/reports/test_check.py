@@ -72,3 +72,40 @@ def test_large_activations_are_judged_with_fp64_streams(tmp_path):
     assert r["fp64_streams"]["max_reconstruction_error"] <= TOL["max_reconstruction_error"]
     assert r["fp64_streams"]["max_rel_grad_error"] <= TOL["max_rel_grad_error"]
     assert r["passed"]
+
+
+def test_a_check_beyond_the_free_memory_exits_2_naming_what_to_shrink(monkeypatch, capsys):
+    """Past the host's memory the OOM killer ended `revffn check` without a word (`--seq 100000`: 151 GiB of
+    attention). It now exits 2 first, naming the part to shrink: the sequence, or the model."""
+    from revffn.cli import main
+
+    monkeypatch.setattr("revffn.memory.measure.free_memory_bytes", lambda device: 2**30)
+    assert main(["check", "--seq", "16384"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch 2 --seq 16384: the check" in err and "1.0 GiB are free in host memory" in err, err
+    assert "Fix: a smaller --seq or --batch." in err
+    assert main(["check", "--model", "qwen1.5-moe-a2.7b"]) == 2  # 14 B parameters, fp32, twice
+    assert "Fix: fewer --layers or a smaller --hidden." in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_checks_memory_floor_is_below_what_it_takes(tmp_path):
+    """`check_bytes` is a floor (what it refuses surely does not fit): a fresh process's peak RSS rise over the
+    check is above it, where the attention's activations dominate and where the weights do."""
+    import subprocess
+    import sys
+
+    script = ("import json, sys\n"
+              "from revffn.memory.measure import current_rss_bytes, peak_rss_bytes, reset_rss_peak\n"
+              "from revffn.reports.check import check_bytes, run_check\n"
+              "for seq in (64, 1536):\n"
+              "    base = current_rss_bytes(); reset_rss_peak()\n"
+              "    assert run_check(seq=seq)['passed']\n"
+              "    print(json.dumps([sum(check_bytes('tiny-qwen2-moe', None, None, 'float32', 2, seq)), "
+              "peak_rss_bytes() - base]))\n")
+    env = {**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed blocks leave the RSS
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [__import__("json").loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 2 and rows[1][0] > 4 * rows[0][0], rows  # the long one is the attention's
+    assert all(0 < floor <= rise for floor, rise in rows), rows
