@@ -137,7 +137,9 @@ def huge_pages(t: torch.Tensor) -> bool:
     (`madvise(MADV_HUGEPAGE)`; it changes nothing where `/sys/kernel/mm/transparent_hugepage/enabled` is `always` or
     `never`, or off Linux). Only pages not yet touched are affected: the first write into a fresh shard then faults
     once every 2 MiB instead of every 4 KiB. Reading a rank's 0.75 GB of `builtin:smollm2-moe` took 0.36-0.47 s
-    with it against 0.65 s without (2 CPU cores). Whether the advice was taken."""
+    with it against 0.65 s without (2 CPU cores). Where the host takes free 2 MiB blocks back (a VM's free page
+    reporting) a huge page must be backed again: there the first such read in a process took 1.0-1.8 s against
+    0.40-0.46 s (`scripts/fresh_memory.py`, docs/multi_gpu.md). Whether the advice was taken."""
     nbytes = t.numel() * t.element_size()
     start = -(-t.data_ptr() // _HUGE) * _HUGE
     end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
