@@ -309,3 +309,18 @@ def test_a_config_without_the_usual_fields_is_an_error_naming_it(tmp_path):
     assert check_bytes(str(tmp_path / "dbrx"), None, None, "float32", 2, 32) is None
     assert check_bytes("tiny-qwen2-moe", None, None, "float32", 2, 32)[0] == 8 * count_params(
         hf_config("tiny-qwen2-moe"))["total"]  # the fp32 model and its fp32 converted copy
+
+
+def test_a_layout_the_estimate_does_not_model_is_refused_by_its_parameter_count():
+    """The estimate returned bytes for any config, its own layout counted: 1.79x Jamba's parameters (its Mamba
+    layers counted as attention). It now counts against the model transformers builds on the meta device."""
+    import transformers
+
+    from revffn.memory.estimate import check_layout
+
+    with pytest.raises(UserError, match=r"jamba: the model has 51,570,323,328 parameters, and the memory estimate's "
+                                        r"layout of its config counts 92,075,724,800 \(1.79x\).*Fix: measure it"):
+        estimate_of(transformers.JambaConfig(), method_class("revffn"), 1, 512)
+    check_layout(transformers.DeepseekV3Config())  # 1.004x at full size: the experts dominate
+    for name in [*REQUIRED, GENERIC, *config_presets()]:  # what the estimate is checked on, and the Hub presets
+        check_layout(hf_config(name))
