@@ -124,12 +124,50 @@ def memory_in_use_bytes(device: torch.device) -> int:
 
 def free_memory_bytes(device: torch.device) -> int:
     """What an allocation on `device` can still take: CUDA's free memory, or the host's available memory plus its
-    free swap."""
+    free swap, capped by the room under this process's cgroup memory limit (a container's, a Slurm job's), where
+    it has one: psutil reads the host's /proc/meminfo."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     import psutil
 
-    return psutil.virtual_memory().available + psutil.swap_memory().free
+    host = psutil.virtual_memory().available + psutil.swap_memory().free
+    room = cgroup_room()
+    return host if room is None else min(host, room)
+
+
+def cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The bytes this process's cgroups still allow, the tightest of its own and its ancestors' limits; the page
+    cache they may reclaim (inactive files) counts as room. None where no limit applies (no cgroup, `max`, v1's
+    unlimited). cgroup v2 (`memory.max`, `memory.current`, `memory.stat`) and v1's memory controller."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the unified hierarchy
+            names, base = ("memory.max", "memory.current", "inactive_file"), Path(root)
+        elif "memory" in controllers.split(","):
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base = Path(root) / "memory"
+        else:
+            continue
+        d = base / path.strip("/")
+        while True:
+            try:
+                limit = (d / names[0]).read_text().strip()
+                if limit != "max" and int(limit) < 2**60:  # v1 writes "unlimited" as a huge number
+                    stat = dict(x.split() for x in (d / "memory.stat").read_text().splitlines() if x.count(" ") == 1)
+                    rooms.append(int(limit) - int((d / names[1]).read_text()) + int(stat.get(names[2], 0)))
+            except (OSError, ValueError):
+                pass
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return max(0, min(rooms)) if rooms else None
 
 
 def refuse_beyond_free(needed: int, device: torch.device, what: str, fix: str) -> None:

@@ -36,3 +36,30 @@ def test_a_child_does_not_report_the_peak_of_the_process_that_spawned_it():
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     del big
     assert child < parent - 384 * MIB  # ru_maxrss read the parent's size here (Linux 6.x, Python 3.11)
+
+
+def test_the_cgroup_room_is_the_tightest_limit_less_what_is_used_plus_the_reclaimable_cache(tmp_path):
+    """psutil reads the host's memory: in a container (a 16 GiB pod on a 512 GiB node) `refuse_beyond_free` would
+    let 500 GiB through. The room under the cgroup limits caps it (v2: this cgroup and its ancestors; v1)."""
+    from revffn.memory.measure import cgroup_room
+
+    def cgroup(d, limit, used, inactive, v2=True):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(f"{limit}\n")
+        (d / ("memory.current" if v2 else "memory.usage_in_bytes")).write_text(f"{used}\n")
+        (d / "memory.stat").write_text(f"anon 1\n{'inactive_file' if v2 else 'total_inactive_file'} {inactive}\n")
+
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    proc.write_text("0::/kubepods/pod1\n")
+    cgroup(root / "kubepods" / "pod1", "max", 5 * 2**30, 0)  # no limit of its own
+    cgroup(root / "kubepods", 16 * 2**30, 10 * 2**30, 2**30)  # the pod's parent: 16 GiB, 10 used, 1 reclaimable
+    assert cgroup_room(str(proc), str(root)) == 7 * 2**30
+    cgroup(root / "kubepods" / "pod1", 8 * 2**30, 5 * 2**30, 0)  # a tighter one below it
+    assert cgroup_room(str(proc), str(root)) == 3 * 2**30
+    proc.write_text("12:memory:/slurm/job7\n11:cpu,cpuacct:/slurm/job7\n")  # v1's memory controller
+    cgroup(root / "memory" / "slurm" / "job7", 4 * 2**30, 3 * 2**30, 2**29, v2=False)
+    cgroup(root / "memory" / "slurm", 2**63 - 4096, 0, 0, v2=False)  # "unlimited"
+    assert cgroup_room(str(proc), str(root)) == 3 * 2**29
+    proc.write_text("0::/\n")
+    assert cgroup_room(str(proc), str(root)) is None  # the root cgroup: no memory.max
+    assert cgroup_room(str(tmp_path / "none"), str(root)) is None
