@@ -347,7 +347,8 @@ def cmd_convert(args) -> int:
         n = heal["tokens_to_target"]
         reached = f"; {target} reached after {n:,} heal tokens" if n is not None else \
             f"; {target} not reached in {heal['tokens']:,} heal tokens"
-    print(json.dumps(manifest) if args.json else f"revffn convert: wrote {args.out}"
+    written = Path(args.out) / "revffn.json"  # (with the `files` staged_dir lists)
+    print(written.read_text().strip() if args.json else f"revffn convert: wrote {args.out}"
           + (f" (loss on {gap['data']}: {figures}{reached})" if gap.get("data") else ""))
     return 0
 
@@ -376,7 +377,7 @@ def cmd_upcycle(args) -> int:
                        "fewer --experts, or a machine with more memory")
     with staged_dir(out) as tmp:
         manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
-    print(json.dumps(manifest) if args.json else
+    print(json.dumps(json.loads((out / "revffn.json").read_text())) if args.json else
           f"revffn upcycle: wrote {args.out} ({manifest['arch']}, {manifest['experts']} experts, top-"
           f"{manifest['top_k']}, {manifest['parameters'] / 1e6:.1f} M parameters; max |Δlogit| against the dense "
           f"model {manifest['max_abs_dlogit']:.2e}, fp32)")

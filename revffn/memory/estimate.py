@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 from revffn.errors import UserError
@@ -131,13 +131,22 @@ def dims(config) -> Dims:
 
     Raises:
         UserError: naming the model type and the field, where the config lacks one (dbrx's `ffn_config`,
-            moshi's audio decoder, ...): a traceback before.
+            moshi's audio decoder, ...) or holds another kind of value: a traceback before.
     """
     try:
-        return _dims(config)
+        m = _dims(config)
     except AttributeError as e:
         raise UserError(f"{config.model_type}: the memory estimate reads a decoder config's usual fields, and this "
                         f"one has no {e.name!r}. Fix: {MEASURE}") from None
+    except TypeError as e:
+        raise UserError(f"{config.model_type}: the memory estimate reads a decoder config's usual fields, and one "
+                        f"of this one's is not a number ({e}). Fix: {MEASURE}") from None
+    other = [f.name for f in fields(Dims) if f.type == "int" and type(getattr(m, f.name)) is not int]
+    if other:  # gpt_neo's intermediate_size None, gemma3n's per-layer lists
+        raise UserError(f"{config.model_type}: the memory estimate reads a decoder config's usual fields, and the "
+                        "geometry it reads from this one is not all numbers: "
+                        f"{', '.join(f'{k}={getattr(m, k)!r}' for k in other)}. Fix: {MEASURE}")
+    return m
 
 
 def _dims(config) -> Dims:

@@ -25,7 +25,6 @@ import math
 import torch
 
 from revffn.conversion.convert import AUTO, convert, describe_streams, pick_stream_dtype
-from revffn.errors import UserError
 from revffn.memory.measure import saved_bytes_of_stack
 from revffn.reversible.buffered import DEFAULT_MOMENTUM, deterministic_kernels
 
@@ -101,19 +100,27 @@ def _flat(grads: dict, names) -> torch.Tensor:
 def check_bytes(model: str, layers: int | None, hidden: int | None, dtype: str, batch: int,
                 seq: int) -> tuple[int, int] | None:
     """The check's peak, at least (`run_check` holds more), in two parts: the models (the fp32 model and its
-    converted copy) and one plain-autograd step's activations and logits (`revffn estimate`'s, of `full` in the
-    check's dtype); None for a config the estimate cannot read (`estimate.dims`), which the check still runs."""
+    converted copy, their parameters counted on the meta device) and one plain-autograd step's activations and
+    logits (`revffn estimate`'s, of `full` in the check's dtype; 0 for a layout the estimate does not model).
+    None where transformers cannot build the config on the meta device: the check builds it its own way."""
+    from transformers import AutoModelForCausalLM
+
     from revffn.memory.estimate import estimate
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config
 
     config = hf_config(model, **config_overrides(model, layers, hidden, shipped_vocab=False))
+    low = dtype in ("bfloat16", "bf16")
     try:
-        est = estimate(config, method_class("full"), batch, seq,
-                       "bfloat16" if dtype in ("bfloat16", "bf16") else "float32")
-    except UserError:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    except Exception:
         return None
-    return 4 * est["total_params"] + est["weights"], est["activations"] + est["logits"]
+    try:
+        est = estimate(config, method_class("full"), batch, seq, "bfloat16" if low else "float32")
+    except Exception:  # (a floor: what the estimate cannot say is left out, never an error of the check's own)
+        return params * (4 + (2 if low else 4)), 0
+    return params * (4 + (2 if low else 4)), est["activations"] + est["logits"]
 
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,

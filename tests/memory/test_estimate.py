@@ -297,16 +297,24 @@ def test_calibration_against_saved_tensor_log(name):
 
 def test_a_config_without_the_usual_fields_is_an_error_naming_it(tmp_path):
     """dbrx keeps its MLP sizes in `ffn_config`: the estimate raised AttributeError (a traceback from `revffn
-    estimate`). It is a UserError naming the type and the field; `revffn check`, which builds the model, then
-    runs without its memory floor."""
+    estimate`). It is a UserError naming the type and the field; `revffn check`'s memory floor then counts the
+    models alone."""
     from revffn.models.tiny_any import tiny_model_for
     from revffn.reports.check import check_bytes
 
     hf = tiny_model_for("dbrx")
     with pytest.raises(UserError, match="dbrx: the memory estimate .* has no 'intermediate_size'. Fix: measure it"):
         estimate_of(hf.config, method_class("full"), 2, 32)
-    hf.save_pretrained(tmp_path / "dbrx")
-    assert check_bytes(str(tmp_path / "dbrx"), None, None, "float32", 2, 32) is None
+    hf.save_pretrained(tmp_path / "dbrx")  # the check's floor: the models alone, counted on the meta device
+    assert check_bytes(str(tmp_path / "dbrx"), None, None, "float32", 2, 32) == (
+        8 * sum(p.numel() for p in hf.parameters()), 0)
+    gpt_neo = tiny_model_for("gpt_neo")  # intermediate_size None: a TypeError, a traceback from revffn check too
+    with pytest.raises(UserError, match=r"gpt_neo: .* not all numbers: moe_inter=None, dense_inter=None\. Fix"):
+        estimate_of(gpt_neo.config, method_class("full"), 2, 32)
+    gpt_neo.save_pretrained(tmp_path / "gpt_neo")
+    from revffn.cli import main
+
+    assert main(["check", "--model", str(tmp_path / "gpt_neo")]) == 2  # convert's own refusal, as before
     assert check_bytes("tiny-qwen2-moe", None, None, "float32", 2, 32)[0] == 8 * count_params(
         hf_config("tiny-qwen2-moe"))["total"]  # the fp32 model and its fp32 converted copy
 
