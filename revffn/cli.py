@@ -327,6 +327,11 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def written_manifest(out) -> str:
+    """The revffn.json `out` holds as written (with the `files` `staged_dir` lists), on one line."""
+    return json.dumps(json.loads((Path(out) / "revffn.json").read_text()))
+
+
 def cmd_convert(args) -> int:
     from revffn.training.export import HEAL_TARGET, ConvertSpec, run_convert
 
@@ -347,8 +352,7 @@ def cmd_convert(args) -> int:
         n = heal["tokens_to_target"]
         reached = f"; {target} reached after {n:,} heal tokens" if n is not None else \
             f"; {target} not reached in {heal['tokens']:,} heal tokens"
-    written = Path(args.out) / "revffn.json"  # (with the `files` staged_dir lists)
-    print(written.read_text().strip() if args.json else f"revffn convert: wrote {args.out}"
+    print(written_manifest(args.out) if args.json else f"revffn convert: wrote {args.out}"
           + (f" (loss on {gap['data']}: {figures}{reached})" if gap.get("data") else ""))
     return 0
 
@@ -377,7 +381,7 @@ def cmd_upcycle(args) -> int:
                        "fewer --experts, or a machine with more memory")
     with staged_dir(out) as tmp:
         manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
-    print(json.dumps(json.loads((out / "revffn.json").read_text())) if args.json else
+    print(written_manifest(out) if args.json else
           f"revffn upcycle: wrote {args.out} ({manifest['arch']}, {manifest['experts']} experts, top-"
           f"{manifest['top_k']}, {manifest['parameters'] / 1e6:.1f} M parameters; max |Δlogit| against the dense "
           f"model {manifest['max_abs_dlogit']:.2e}, fp32)")

@@ -117,3 +117,13 @@ def set_config_value(config, key: str, value) -> None:
         owner[last] = value
     else:
         setattr(owner, last, value)
+
+
+def meta_params(config) -> int:
+    """The parameters of the HF causal LM transformers builds from `config`, built on the meta device (nothing
+    allocated; tied weights counted once). Raises what `from_config` raises for a config it cannot build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

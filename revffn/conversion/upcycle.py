@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from revffn.archs.architectures import has_moe_keys
+from revffn.archs.spec import meta_params
 from revffn.errors import UserError
 from revffn.progress import progress
 
@@ -104,11 +105,7 @@ def moe_config(config, experts: int, top_k: int, arch: str, renormalize: bool = 
 def upcycle_bytes(config, experts: int, top_k: int, arch: str) -> int:
     """The fp32 bytes `upcycle_into` holds at once, at least: the dense model and its MoE twin, counted on the meta
     device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        models = [AutoModelForCausalLM.from_config(c) for c in (config, moe_config(config, experts, top_k, arch))]
-    return 4 * sum(p.numel() for m in models for p in m.parameters())
+    return 4 * (meta_params(config) + meta_params(moe_config(config, experts, top_k, arch)))
 
 
 @torch.no_grad()

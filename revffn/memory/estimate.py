@@ -46,6 +46,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
+from revffn.archs.spec import meta_params
 from revffn.errors import UserError
 from revffn.memory.saved import Grad, aux_saved, ffn_saved, layer_saved, outside_saved
 from revffn.schema import Key, check_value, coerce
@@ -369,16 +370,12 @@ def check_layout(config) -> None:
     Raises:
         UserError: naming the model type and both counts, with `revffn bench`, which measures, as the fix.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     key = config.to_json_string(use_diff=False)
     if key in _covered:
         return
     counted = count_params(config)["total"]
     try:
-        with torch.device("meta"):
-            built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        built = meta_params(config)
     except Exception:  # (not a causal LM transformers builds from this config alone)
         built = counted
     if abs(counted / built - 1) > LAYOUT_TOLERANCE:

@@ -103,8 +103,7 @@ def check_bytes(model: str, layers: int | None, hidden: int | None, dtype: str, 
     converted copy, their parameters counted on the meta device) and one plain-autograd step's activations and
     logits (`revffn estimate`'s, of `full` in the check's dtype; 0 for a layout the estimate does not model).
     None where transformers cannot build the config on the meta device: the check builds it its own way."""
-    from transformers import AutoModelForCausalLM
-
+    from revffn.archs.spec import meta_params
     from revffn.memory.estimate import estimate
     from revffn.methods import method_class
     from revffn.models.loading import config_overrides, hf_config
@@ -112,15 +111,14 @@ def check_bytes(model: str, layers: int | None, hidden: int | None, dtype: str, 
     config = hf_config(model, **config_overrides(model, layers, hidden, shipped_vocab=False))
     low = dtype in ("bfloat16", "bf16")
     try:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        models = meta_params(config) * (4 + (2 if low else 4))
     except Exception:
         return None
     try:
         est = estimate(config, method_class("full"), batch, seq, "bfloat16" if low else "float32")
     except Exception:  # (a floor: what the estimate cannot say is left out, never an error of the check's own)
-        return params * (4 + (2 if low else 4)), 0
-    return params * (4 + (2 if low else 4)), est["activations"] + est["logits"]
+        return models, 0
+    return models, est["activations"] + est["logits"]
 
 
 def run_check(model: str = "tiny-qwen2-moe", layers: int | None = None, dtype: str = "float32", batch: int = 2,
