@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
-from revffn.errors import DiskFull, UserError, disk_fault, one_line
+from revffn.errors import DiskFull, UserError, disk_fault, one_line, unread
 from revffn.models.cache import file_in_the_way
 from revffn.progress import quiet_known_noise
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
@@ -120,9 +120,9 @@ def cmd_check(args) -> int:
         ({"--buffer-momentum": ("buffer_momentum", "positive")}, "--coupling buffered")
     for flag, (name, default) in table.items():
         if getattr(args, name) != default:
-            raise UserError(f"{flag}: read only with {needs}, and this check has --coupling {args.coupling}"
-                            f"{' (the default)' if args.coupling == 'buffered' else ''}: it would change nothing. "
-                            f"Fix: drop {flag}, or give {needs}.")
+            default = " (the default)" if args.coupling == "buffered" else ""
+            raise UserError(unread(flag, needs, f"this check has --coupling {args.coupling}{default}",
+                                   f"drop {flag}, or give {needs}"))
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # as run_check picks
     check_width(args.model, args.layers, args.hidden, compute=dtype, device="cuda" if cuda else "cpu")
     if need := check_bytes(args.model, args.layers, args.hidden, args.dtype, args.batch, args.seq):

@@ -47,6 +47,13 @@ def one_line(error: BaseException | str) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def unread(setting: str, reads: str, has: str, fix: str, written: bool = True) -> str:
+    """The message for a setting that the rest of the input leaves unread: `setting: read only with READS, and
+    HAS: it would change nothing. Fix: FIX.` (`written=False` adds that nothing was written)."""
+    return (f"{setting}: read only with {reads}, and {has}: it would change nothing."
+            f"{'' if written else ' Nothing was written.'} Fix: {fix}.")
+
+
 def closest(word: str, choices) -> str:
     """A ' Did you mean X?' suffix, or '' when nothing is close."""
     name, colon, value = word.partition(":")

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 from revffn.archs.spec import meta_params
-from revffn.errors import UserError
+from revffn.errors import UserError, unread
 from revffn.memory.saved import Grad, aux_saved, ffn_saved, layer_saved, outside_saved
 from revffn.schema import Key, check_value, coerce
 
@@ -347,8 +347,8 @@ def _options(method: MemoryMethod, given: dict) -> dict:
     if unused:  # (as training refuses it: `Method.unused_options`), the first one named
         k, (reads, has) = next(iter(unused.items()))
         reads, has = (text.replace(f"{method.name}.", "") for text in (reads, has))
-        raise UserError(f"--option {k}={given[k]}: read only with {reads}, and this estimate has {has}: it would "
-                        f"change nothing. Fix: drop it, or --option {reads}.")
+        raise UserError(unread(f"--option {k}={given[k]}", reads, f"this estimate has {has}",
+                               f"drop it, or --option {reads}"))
     return {k: given.get(k, key.default) for k, key in keys.items()}
 
 

@@ -50,7 +50,7 @@ from revffn.conversion.teacher import student_hidden, teacher_hidden
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF
 from revffn.data.collate import data_shard, shard_rows
-from revffn.errors import UserError
+from revffn.errors import UserError, unread
 from revffn.memory.estimate import MemoryContext, MemoryTerms, dtype_bytes
 from revffn.methods.base import Method, TokenSum, non_router_parameters, set_requires_grad, write_manifest
 from revffn.models.hf_remote import dtype_name, save_converted
@@ -238,9 +238,9 @@ class RevFFNMethod(Method):
         opts = cfg.section(cls.name)
         unused = cls.unused_options(opts, cls.model_defaults(cfg.model))
         if unused:
-            lines = [f"revffn.{k}={str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k]} is read only "
-                     f"with {reads}, and this run has {has}: it would change nothing. Fix: drop revffn.{k}, or set "
-                     f"{reads}." for k, (reads, has) in unused.items()]
+            shown = {k: str(opts[k]).lower() if isinstance(opts[k], bool) else opts[k] for k in unused}
+            lines = [unread(f"revffn.{k}={shown[k]}", reads, f"this run has {has}", f"drop revffn.{k}, or set {reads}")
+                     for k, (reads, has) in unused.items()]
             raise UserError(lines[0] if len(lines) == 1 else f"{len(lines)} problems in the config:\n  - "
                             + "\n  - ".join(lines))
         opts["adapter_warmup_steps"] = cls.warmup_steps(opts, cfg.max_steps)

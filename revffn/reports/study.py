@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
-from revffn.errors import UserError
+from revffn.errors import UserError, unread
 from revffn.progress import progress
 from revffn.schema import check_value, coerce
 
@@ -474,9 +474,8 @@ def plan_for(quick: bool, base: str | None = None, heal_steps: int = 0, **overri
                 unused = _method(method).unused_options({**preset, key: plan.overrides[method][key]})
                 if key in unused:
                     reads, has = unused[key]
-                    raise UserError(f"--set {item!r}: {method}.{key} is read only with {reads}, and this study's "
-                                    f"{method} runs have {has}: it would change nothing. Fix: drop it, or --set "
-                                    f"{reads}.")
+                    raise UserError(unread(f"--set {item!r}", reads, f"this study's {method} runs have {has}",
+                                           f"drop it, or --set {reads}"))
     if grids:
         plan = replace(plan, lr_grid={**plan.lr_grid, **lr_grids(plan, grids)})
     plan = replace(plan, **{k: v for k, v in overrides.items() if v})

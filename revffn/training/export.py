@@ -38,7 +38,7 @@ from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
 from revffn.data.formats import load_examples
 from revffn.data.tokenizer import model_tokenizer
-from revffn.errors import UserError
+from revffn.errors import UserError, unread
 from revffn.memory.measure import peak_memory_bytes, peak_rss_bytes
 from revffn.methods.base import write_manifest
 from revffn.methods.calibration import calibrate_model, check_source, log_line
@@ -123,8 +123,8 @@ def unused_flags(spec: ConvertSpec) -> None:
     for flag, name in table.items():
         if getattr(spec, name) != getattr(default, name):
             needs = reads or ("--coupling buffered" if flag in BUFFERED_FLAGS else "--heal-steps N")
-            raise UserError(f"{flag}: read only with {needs}, and this conversion has {has}: it would change "
-                            f"nothing. Nothing was written. Fix: drop {flag}, or give {needs}.")
+            raise UserError(unread(flag, needs, f"this conversion has {has}", f"drop {flag}, or give {needs}",
+                                   written=False))
 
 
 def validate(spec: ConvertSpec):

@@ -301,10 +301,10 @@ def test_the_buffered_coupling_refuses_a_bad_buffer_and_a_heal(tmp_path, capsys)
 
 @pytest.mark.parametrize("extra,says", [
     (["revffn.coupling=buffered", "revffn.stream_width=half"],
-     "revffn.stream_width=half is read only with revffn.coupling=additive, and this run has revffn.coupling=buffered"),
-    (["revffn.buffer_bits=4"], "revffn.buffer_bits=4 is read only with revffn.coupling=buffered"),
+     "revffn.stream_width=half: read only with revffn.coupling=additive, and this run has revffn.coupling=buffered"),
+    (["revffn.buffer_bits=4"], "revffn.buffer_bits=4: read only with revffn.coupling=buffered"),
     (["revffn.coupling=buffered", "revffn.calibration_tokens=64", "revffn.heal_norms=true"],
-     "revffn.calibration_tokens=64 is read only with revffn.coupling=additive"),
+     "revffn.calibration_tokens=64: read only with revffn.coupling=additive"),
 ])
 def test_an_option_the_run_would_not_read_is_refused(extra, says, tmp_path, capsys):
     """A value other than the default for the other coupling's option was ignored (an additive config of before stop
