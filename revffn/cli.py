@@ -380,7 +380,8 @@ def cmd_upcycle(args) -> int:
                        f"--experts {args.experts}: upcycling MODEL (the dense model and the MoE, fp32)",
                        "fewer --experts, or a machine with more memory")
     with staged_dir(out) as tmp:
-        manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL")
+        manifest = upcycle_into(args.model, src, tmp, args.experts, args.top_k, args.arch, args.seed, key="MODEL",
+                                config=config)
     print(written_manifest(out) if args.json else
           f"revffn upcycle: wrote {args.out} ({manifest['arch']}, {manifest['experts']} experts, top-"
           f"{manifest['top_k']}, {manifest['parameters'] / 1e6:.1f} M parameters; max |Δlogit| against the dense "

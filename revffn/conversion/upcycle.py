@@ -183,14 +183,15 @@ def save_here(model, out: Path) -> None:
 
 
 def upcycle_into(model: str, src: Path, out: Path, experts: int, top_k: int, arch: str = "mixtral", seed: int = 0,
-                 key: str = "model", renormalize: bool = True) -> dict:
+                 key: str = "model", renormalize: bool = True, config=None) -> dict:
     """Upcycle model reference `model`, resolved to the HF directory `src`, into the empty directory `out`: the
     MoE (safetensors, fp32), the tokenizer, and revffn.json with the measured max |Δlogit|; nothing when it is
-    not exact. Returns revffn.json."""
+    not exact. `config`: `src`'s, where the caller has read and checked it. Returns revffn.json."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(src, local_files_only=True)
-    check_upcycle(config, experts, top_k, arch, key)  # before the weights are read
+    if config is None:
+        config = AutoConfig.from_pretrained(src, local_files_only=True)
+        check_upcycle(config, experts, top_k, arch, key)  # before the weights are read
     with progress("upcycle", "stage", 4) as bar:
         dense = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, dtype=torch.float32,
                                                      use_kernels=False)  # no Hub kernels (models.loading.load_hf)
