@@ -67,16 +67,25 @@ class TokenStream:
         if columns is not None and not FORMAT_KEYS & set(columns):
             raise UserError(f"{self.key}: {self.ref!r} has columns {columns}, none of which any format reads. Fix: "
                             f"rename its columns to fit one of the {FORMATS_HELP}.")
-        return split_dataset_by_node(ds, rank=self.shard[0], world_size=self.shard[1])
+        rank, world = self.shard
+        self._by_files = world > 1 and ds.num_shards % world == 0  # `split_dataset_by_node`'s "auto" rule
+        return split_dataset_by_node(ds, rank=rank, world_size=world)
+
+    def _row(self, j: int) -> str:
+        """Where the `j`-th row this process reads (in file order, before the shuffle) is in the source: its
+        row there, as the in-memory path names it, or where a process reads whole files, its place in them."""
+        rank, world = self.shard
+        if self._by_files:
+            return f"{self.ref}[row {j} of the files process {rank} of {world} reads]"
+        return f"{self.ref}[{j * world + rank}]"  # every world-th row from the rank-th
 
     def _examples(self) -> Iterator[dict]:
         """The normalised examples of this epoch from `self.examples` on."""
-        rows = tables.read_rows(self._dataset(), self.ref, self.key)
+        rows = enumerate(tables.read_rows(self._dataset(), self.ref, self.key))  # (j, row): j names it
         if self.shuffle_buffer:
             rows = buffer_shuffle(rows, self.shuffle_buffer, random.Random(self.seed * 1_000_003 + self.epoch))
-        rows = itertools.islice(rows, self.examples, None)
-        for i, row in enumerate(rows, start=self.examples):
-            where = f"{self.ref}[process {self.shard[0]} of {self.shard[1]}, epoch {self.epoch}, example {i}]"
+        for j, row in itertools.islice(rows, self.examples, None):
+            where = self._row(j)
             try:
                 yield normalise({k: v for k, v in row.items() if v is not None}, where)
             except UserError as e:  # name the config key, as `formats.load_examples` does

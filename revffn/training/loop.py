@@ -50,6 +50,7 @@ from revffn.models.cache import staged_dir, sweep_staged
 from revffn.models.generation import save_generation_config
 from revffn.progress import progress
 from revffn.training.checkpoint import (
+    checkpoint_dirs,
     clean_partial,
     disk_guard,
     load_checkpoint,
@@ -450,6 +451,13 @@ def _train(recipe: Recipe, main: bool) -> dict:
     except TrainingDiverged as e:
         summary.update(status="diverged", error=str(e))
         raise
+    except UserError as e:  # bad input found part way (a streamed row): the run so far is kept, and resumable
+        kept = checkpoint_dirs(plan.run_dir) if recipe.step else []
+        if kept:
+            e = type(e)(f"{e} The run stopped at step {recipe.step}; {plan.run_dir}/checkpoints keeps "
+                        f"{kept[-1].name}: once that is fixed, resume=true continues from it.")
+        summary.update(status="error", error=f"{type(e).__name__}: {e}")
+        raise e from None
     except BaseException as e:
         summary.update(status="error", error=f"{type(e).__name__}: {e}")
         raise

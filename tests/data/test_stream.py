@@ -84,12 +84,35 @@ def test_a_source_that_cannot_stream_is_refused(tok, ref, says):
     assert says in str(e.value) and "Fix:" in str(e.value)
 
 
-def test_a_bad_row_deep_in_the_stream_names_the_key_and_the_row(tmp_path, tok):
+@pytest.mark.parametrize("shuffle_buffer", [0, 50])
+@pytest.mark.parametrize("shard", [(0, 1), (0, 2), (1, 2)])
+def test_a_bad_row_deep_in_the_stream_names_the_key_and_its_row_in_the_file(tmp_path, tok, shard, shuffle_buffer):
+    """Named as the in-memory path names it (`bad.parquet[71]`), shuffled or not, whichever process reads it
+    (one file over 2 processes: every other row; the row a process never reads is not its error)."""
     path = tmp_path / "bad.parquet"
-    datasets.Dataset.from_list([{"instruction": "a", "output": "b"}] * 5 + [{"instruction": "c", "output": None}]
-                               ).to_parquet(path)
-    with pytest.raises(UserError, match=r"data: .*bad.parquet\[process 0 of 1, epoch 0, example 5\]"):
-        stream(str(path), tok, shuffle_buffer=0).next_items(6)
+    rows = [{"instruction": f"a{i}", "output": "b"} for i in range(100)]
+    rows[71] = {"instruction": "c", "output": None}
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    read = stream(str(path), tok, shuffle_buffer=shuffle_buffer, shard=shard)
+    if 71 % shard[1] != shard[0]:
+        assert len(read.next_items(60)) == 60  # its 50 rows, and on into the next epoch
+        return
+    with pytest.raises(UserError, match=r"^data: .*bad.parquet\[71\]: missing field 'output'"):
+        read.next_items(100)
+    with pytest.raises(UserError, match=r"^data: .*bad.parquet\[71\]"):  # the in-memory path's name for it
+        load_examples(str(path), "data")
+
+
+def test_a_bad_row_in_a_process_s_whole_files_is_named_by_its_place_in_them(tmp_path, tok):
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):
+        rows = [{"instruction": f"a{i}", "output": "b"} for i in range(10)]
+        if k == 1:
+            rows[7] = {"instruction": "c", "output": None}
+        datasets.Dataset.from_list(rows).to_parquet(data / f"part-{k}.parquet")
+    with pytest.raises(UserError, match=r"\[row 7 of the files process 1 of 2 reads\]: missing field 'output'"):
+        stream(f"hf:{data}", tok, shuffle_buffer=5, shard=(1, 2)).next_items(20)
 
 
 @pytest.mark.parametrize("text,says", [("instruction,output\n\"a,b\n", "EOF inside string"),
@@ -113,6 +136,25 @@ def test_a_streamed_run_trains_and_resumes_at_the_exact_example(parquet, tmp_pat
     assert sorted(ref) == list(range(1, 7))
     for s in range(4, 7):  # the resumed steps: the same items, so the same losses
         assert abs(resumed[s] - ref[s]) <= 1e-6, (s, resumed[s], ref[s])
+
+
+def test_a_bad_row_found_part_way_stops_the_run_and_keeps_it_resumable(parquet, tmp_path, capsys):
+    rows = datasets.Dataset.from_parquet(parquet).to_list()[:16]  # 8 steps an epoch
+    good = rows[13]["output"]
+    rows[13]["output"] = None
+    datasets.Dataset.from_list(rows).to_parquet(parquet)
+    run = tmp_path / "run"
+    args = [*TINY, f"data={parquet}", "streaming=true", "max_steps=8", "save_steps=2", f"output_dir={run}"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{parquet}[13]: missing field 'output'" in err and "The run stopped at step" in err, err
+    step = int(err.partition("The run stopped at step ")[2].partition(";")[0])
+    assert 2 <= step < 8 and f"keeps step-{step - step % 2}: once that is fixed, resume=true" in err
+    assert "status: **error**" in (run / "report.md").read_text() and not (run / "final").exists()
+    rows[13]["output"] = good
+    datasets.Dataset.from_list(rows).to_parquet(parquet)
+    assert main(["train", *args, "resume=true"]) == 0
+    assert max(r["step"] for r in metrics(run)) == 8 and (run / "final").is_dir()
 
 
 def test_streaming_a_json_file_exits_2_and_writes_nothing(tmp_path, capsys):
