@@ -463,6 +463,8 @@ def _train(recipe: Recipe, main: bool) -> dict:
         raise
     finally:
         recipe.cleanup(failed=summary["status"] != "ok")
+        if "train_stats" in summary:  # a stream's position, where the run ended
+            summary["train_stats"] = plan.train_set.stats
         if main:
             with contextlib.suppress(Exception):
                 write_run_report(plan.run_dir, summary)

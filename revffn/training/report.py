@@ -112,7 +112,10 @@ def write_run_report(run_dir: Path, summary: dict) -> None:
         lines.append(f"- final eval exact match: {100 * summary['eval_exact_match']:.1f} % of the first "
                      f"{summary['eval_scored']} examples (greedy)")
     stats = summary.get("train_stats")
-    if stats:
+    if stats and stats.get("streaming"):
+        lines.append(f"- data: streamed from {stats['source']}; read by this process: {stats['epoch']} whole "
+                     f"epoch(s) and {stats['examples']} examples of the next")
+    elif stats:
         lines.append(f"- data: {json.dumps(stats)}")
     if summary.get("restarts"):
         lines.append(f"- automatic restarts: {summary['restarts']} (see events.jsonl)")

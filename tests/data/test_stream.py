@@ -150,7 +150,9 @@ def test_a_bad_row_found_part_way_stops_the_run_and_keeps_it_resumable(parquet, 
     assert f"{parquet}[13]: missing field 'output'" in err and "The run stopped at step" in err, err
     step = int(err.partition("The run stopped at step ")[2].partition(";")[0])
     assert 2 <= step < 8 and f"keeps step-{step - step % 2}: once that is fixed, resume=true" in err
-    assert "status: **error**" in (run / "report.md").read_text() and not (run / "final").exists()
+    report = (run / "report.md").read_text()
+    assert "status: **error**" in report and not (run / "final").exists()
+    assert f"- data: streamed from {parquet}; read by this process: 0 whole epoch(s) and {2 * step} examples" in report
     rows[13]["output"] = good
     datasets.Dataset.from_list(rows).to_parquet(parquet)
     assert main(["train", *args, "resume=true"]) == 0
