@@ -30,7 +30,7 @@ from pathlib import Path
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.errors import DiskFull, UserError, disk_fault, one_line, unread
 from revffn.models.cache import file_in_the_way
-from revffn.progress import quiet_known_noise
+from revffn.progress import library_bars_off, quiet_known_noise
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
 
 
@@ -781,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(1, "")  # `revffn train key=value`: overrides on the quickstart
     args = parser.parse_args(argv)
     args.argv = list(argv)
+    library_bars_off()
     if getattr(args, "config", None) == "":
         args.config = None
     interrupts = _Interrupts()

@@ -118,3 +118,18 @@ def quiet_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _KnownNoise) for f in logger.filters):
             logger.addFilter(_KnownNoise())
+
+
+def library_bars_off() -> None:
+    """transformers' own progress bars off for this process ("Loading weights" as any model loads, "Writing model
+    shards" as one saves): revffn's progress line says what a command is doing, and such a bar ran into a
+    command's output line. Installed by `cli.main`. transformers' switch turns off `huggingface_hub`'s download bars
+    with its own; those are left as they were."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    downloads_off = are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    if not downloads_off:
+        enable_progress_bars()
+

@@ -2,7 +2,7 @@
 
 import io
 
-from revffn.progress import clock, progress
+from revffn.progress import clock, library_bars_off, progress
 
 
 class Clock:
@@ -82,3 +82,18 @@ def test_per_run_lines_on_a_terminal_too():
     lines = out.getvalue().splitlines()
     assert lines[1] == "revffn: bench [2/4 runs, 50%] m2 ... ok; 1m00s elapsed, ETA 1m00s"
     assert len(lines) == 4
+
+
+def test_transformers_bars_go_off_and_download_bars_stay_as_they_were(monkeypatch):
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    was = hub.are_progress_bars_disabled()
+    for downloads_off in (False, True):
+        monkeypatch.setattr(hf_logging, "_tqdm_active", True)
+        (hub.disable_progress_bars if downloads_off else hub.enable_progress_bars)()
+        library_bars_off()
+        assert not hf_logging.is_progress_bar_enabled()
+        assert hub.are_progress_bars_disabled() == downloads_off
+    (hub.disable_progress_bars if was else hub.enable_progress_bars)()
+

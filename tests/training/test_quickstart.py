@@ -20,6 +20,7 @@ def test_quickstart_short_leaves_every_output(tmp_path):
                 "per_device_train_batch_size=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warning" not in proc.stderr.lower(), proc.stderr[-2000:]  # the first run prints no warning
+    assert "Loading weights" not in proc.stderr  # nor transformers' own bars (`progress.library_bars_off`)
     assert "coupling buffered" in proc.stderr  # the defaults ran: the buffered coupling, nothing calibrated
     for name in ("config.yaml", "metrics.jsonl", "report.md", "loss.png", "memory.png", "final/model.safetensors",
                  "final/revffn.json", "final/tokenizer.json", "checkpoints/step-20", "checkpoints/step-10"):
