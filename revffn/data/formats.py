@@ -5,16 +5,21 @@ parquet, arrow or csv file), whose rows are taken exactly as JSON records.
 Accepted example formats, detected per example by its keys:
 
 * alpaca:    {"instruction", "input"?, "output", "system"?}  (user = instruction + "\\n\\n" + input)
-* sharegpt:  {"conversations": [{"from": human|user|gpt|assistant|system, "value"}]}
-* messages:  {"messages": [{"role": system|user|assistant, "content"}]}; a content may be a list of parts,
-             [{"type": "text", "text"}, ...] as in OpenAI's and transformers' chat format, joined into one text
+* sharegpt:  {"conversations": [{"from": human|user|gpt|assistant|system|function_call|observation, "value"}],
+             "tools"?}  (LLaMA-Factory's: a function_call turn is the assistant's, an observation the tool's)
+* messages:  {"messages": [{"role": system|user|assistant|tool, "content"}], "tools"?}; a content may be a list
+             of parts, [{"type": "text", "text"}, ...] as in OpenAI's and transformers' chat format, joined into one
+             text; an assistant turn may carry "tool_calls" ([{"type": "function", "function": {"name",
+             "arguments"}}], its content then optional), a tool turn "name" and "tool_call_id", as TRL takes them
 * prompt/completion: {"prompt", "completion"} (strings, or lists of {"role", "content"} messages)
 * text:      {"text"}  (plain text, trained on every token)
 
-Every example becomes `{"messages": [...], "text": str | None, "source": "FILE:LINE", "answer": str | None}`
-(a table row's source is `SOURCE[INDEX]`, its 0-based row index).
+Every example becomes `{"messages": [...], "text": str | None, "source": "FILE:LINE", "answer": str | None,
+"tools": list | None}` (a table row's source is `SOURCE[INDEX]`, its 0-based row index; `tools` are the function
+schemas the chat template is given, from a list or a JSON text of one).
 `messages` ends with the last assistant turn (turns after it carry no loss and are dropped), so
-`messages[:-1]` is the prompt and `answer` (the reference for exact-match eval) is `messages[-1]["content"]`.
+`messages[:-1]` is the prompt and `answer` (the reference for exact-match eval) is `messages[-1]["content"]`
+(None where that turn calls tools: what it should generate is the template's rendering of the calls).
 `builtin:NAME` reads `revffn/assets/data/NAME.jsonl`. Every problem raises one `UserError` naming
 FILE:LINE (or SOURCE[INDEX]), the field and the fix.
 """
@@ -31,12 +36,14 @@ from revffn.data import tables
 from revffn.errors import UserError, closest
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "assets" / "data"
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
 CHAT_KEYS = {"messages", "conversations", "instruction", "prompt", "completion"}  # a record's format: which it has
 FORMAT_KEYS = CHAT_KEYS | {"text"}
 FORMATS_HELP = ("accepted formats: alpaca {instruction, input?, output, system?}; sharegpt {conversations: "
-                "[{from, value}]}; messages {messages: [{role, content}]}; {prompt, completion}; {text}")
+                "[{from, value}], tools?}; messages {messages: [{role, content, tool_calls?}], tools?}; "
+                "{prompt, completion}; {text}")
 
 
 def builtin_names() -> list[str]:
@@ -140,10 +147,81 @@ def _message_list(value: object, field: str, where: str, role_key: str, content_
         if role not in roles:
             raise UserError(f"{at}: unknown {role_key} {role!r}.{closest(role, roles)} "
                             f"Fix: use one of {', '.join(roles)}.")
-        content = _parts(turn[content_key], f"{at}.{content_key}") if isinstance(turn.get(content_key), list) else \
-            _str(turn, content_key, at)
-        out.append({"role": roles[role], "content": content})
+        message = {"role": roles[role]}
+        if role == "function_call":  # LLaMA-Factory's: the value is the call(s), {"name", "arguments"} as JSON text
+            calls = _json_text(turn, content_key, at)
+            calls = [{"type": "function", "function": c} for c in (calls if isinstance(calls, list) else [calls])]
+            out.append({**message, "tool_calls": _tool_calls(calls, f"{at}.{content_key}"), "content": ""})
+            continue
+        if turn.get("tool_calls") is not None:
+            if message["role"] != "assistant":
+                raise UserError(f"{at}: tool_calls on a {role!r} turn; only the assistant calls tools. Fix: move "
+                                "them to the assistant turn that makes the calls.")
+            message["tool_calls"] = _tool_calls(turn["tool_calls"], f"{at}.tool_calls")
+        for key in ("name", "tool_call_id"):  # a tool turn's answer to a call, as OpenAI's format names it
+            if message["role"] == "tool" and turn.get(key) is not None:
+                message[key] = _str(turn, key, at)
+        calls = "tool_calls" in message  # (a turn that only calls tools has no content)
+        message["content"] = _parts(turn[content_key], f"{at}.{content_key}") \
+            if isinstance(turn.get(content_key), list) else _str(turn, content_key, at, optional=calls)
+        out.append(message)
     return out
+
+
+def _json_text(turn: dict, field: str, at: str) -> object:
+    text = _str(turn, field, at)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{at}.{field}: a function_call turn's value is the call as JSON, {{\"name\", "
+                        f"\"arguments\"}} (or a list of them), and this is not JSON ({e.msg}, column {e.colno}). "
+                        "Fix: write the call as JSON, or make the turn a gpt turn.") from None
+
+
+def _tool_calls(calls: object, at: str) -> list[dict]:
+    """An assistant turn's `tool_calls`: [{"type": "function", "function": {"name", "arguments"}}], arguments an
+    object or its JSON text (parsed, as chat templates render an object)."""
+    fix = ("Fix: [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+           "{\"city\": \"Paris\"}}}].")
+    if not isinstance(calls, list) or not calls:
+        raise UserError(f"{at}: must be a non-empty list of calls, got {json.dumps(calls)[:60]}. {fix}")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{at}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise UserError(f"{where}: a call is an object with a \"function\" object, got {json.dumps(call)[:60]}. "
+                            f"{fix}")
+        name, arguments = _str(function, "name", f"{where}.function"), function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}.function.arguments: not JSON ({e.msg}, column {e.colno}). Fix: an object, "
+                                "or its JSON text.") from None
+        if not isinstance(arguments, dict):
+            raise UserError(f"{where}.function.arguments: must be an object, got {json.dumps(arguments)[:60]}. {fix}")
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments},
+                    **({"id": call["id"]} if isinstance(call.get("id"), str) else {})})
+    return out
+
+
+def _tools(value: object, where: str) -> list[dict] | None:
+    """A record's `tools`: the function schemas offered, a list of objects or its JSON text (as LLaMA-Factory and
+    many Hub datasets store it); None when absent or empty."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: field 'tools' is not JSON ({e.msg}, column {e.colno}). Fix: a list of "
+                            "function schemas, or its JSON text.") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise UserError(f"{where}: field 'tools' must be a list of function schemas (objects), got "
+                        f"{json.dumps(value)[:60]}. Fix: e.g. [{{\"type\": \"function\", \"function\": {{\"name\": "
+                        "\"get_weather\", \"parameters\": {...}}}].")
+    return value or None
 
 
 def _parts(parts: list, at: str) -> str:
@@ -196,7 +274,7 @@ def normalise(rec: object, where: str) -> dict:
         raise UserError(f"{where}: expected a JSON object, got {type(rec).__name__} {json.dumps(rec)[:60]}. "
                         f"Fix: make each example an object ({FORMATS_HELP}).")
     if "text" in rec and not CHAT_KEYS & rec.keys():
-        return {"messages": [], "text": _str(rec, "text", where), "source": where, "answer": None}
+        return {"messages": [], "text": _str(rec, "text", where), "source": where, "answer": None, "tools": None}
     msgs = _messages(rec, where)
     assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not assistant_at:
@@ -207,7 +285,8 @@ def normalise(rec: object, where: str) -> dict:
         raise UserError(f"{where}: the conversation starts with an assistant turn. "
                         "Fix: put a user message before the first assistant message.")
     msgs = msgs[: assistant_at[-1] + 1]  # later turns carry no loss; now messages[:-1] is the prompt
-    return {"messages": msgs, "text": None, "source": where, "answer": msgs[-1]["content"]}
+    answer = None if "tool_calls" in msgs[-1] else msgs[-1]["content"]
+    return {"messages": msgs, "text": None, "source": where, "answer": answer, "tools": _tools(rec.get("tools"), where)}
 
 
 def _table_records(path: str, key: str) -> Iterator[tuple[str, dict]]:

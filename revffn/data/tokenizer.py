@@ -33,13 +33,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 PAD, BOS, EOS = "<|pad|>", "<|endoftext|>", "<|end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>"]
 
-# Each turn is "<|role|>\n{content}<|end|>\n"; the generation prompt is "<|assistant|>\n".
+# Each turn is "<|role|>\n{content}<|end|>\n"; the generation prompt is "<|assistant|>\n". Tool use (transformers'
+# `tools=` and an assistant turn's `tool_calls`, as `data.templates`' fallback renders them): the tools offered open
+# the conversation as "<|tools|>\n{JSON}<|end|>\n", each call follows the content as
+# "<tool_call>\n{"name", "arguments"}\n</tool_call>", and a tool's result is a "<|tool|>" turn.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}{{ '<|tools|>\\n' + (tools | tojson) + '<|end|>\\n' }}{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{ raise_exception('unknown role ' + message['role'] + ': use system, user or assistant') }}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('unknown role ' + message['role'] + ': use system, user, assistant or tool') }}"
     "{%- endif -%}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{ '\\n' if message['content'] or not loop.first else '' }}"
+    "{{ '<tool_call>\\n' + (call['function'] | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|end|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )

@@ -90,7 +90,7 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     scored = [e for e in examples if e.get("answer") is not None]
     if limit is not None:
         scored = scored[:limit]
-    prompts = [render_prompt(e["messages"][:-1], tokenizer) for e in scored]
+    prompts = [render_prompt(e["messages"][:-1], tokenizer, e.get("tools")) for e in scored]
     if prompts:
         check_new_tokens(positions(getattr(model, "config", None)), max_new_tokens, key)
     n_loss, n_generate = -(-len(data.items) // batch_size), -(-len(prompts) // batch_size)

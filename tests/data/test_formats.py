@@ -45,7 +45,7 @@ def test_turns_after_the_last_answer_are_dropped(write_jsonl):
 
 def test_plain_text(write_jsonl):
     (ex,) = load_examples(write_jsonl([{"text": "just prose"}]))
-    assert ex == {"messages": [], "text": "just prose", "source": ex["source"], "answer": None}
+    assert ex == {"messages": [], "text": "just prose", "source": ex["source"], "answer": None, "tools": None}
 
 
 def test_jsonl_skips_blank_lines_and_counts_lines(write_jsonl):
@@ -104,6 +104,20 @@ BAD_RECORDS = {
                            ["conversations[0].value[0]: a part of type 'image'"]),
     "no_parts": ({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "a"}]},
                  ["messages[0].content: an empty list of content parts. Fix:"]),
+    "user_calls": ({"messages": [{"role": "user", "content": "q", "tool_calls": [{"function": {"name": "f"}}]},
+                                 {"role": "assistant", "content": "a"}]},
+                   ["messages[0]: tool_calls on a 'user' turn", "Fix: move them"]),
+    "call_no_function": ({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "tool_calls": [{"name": "f"}]}]},
+                         ["messages[1].tool_calls[0]: a call is an object with a \"function\" object", "Fix: "]),
+    "call_arguments_not_json": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
+        ["messages[1].tool_calls[0].function.arguments: not JSON", "Fix: an object, or its JSON text"]),
+    "tools_not_a_list": ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                          "tools": '{"name": "f"}'}, ["field 'tools' must be a list of function schemas"]),
+    "function_call_not_json": ({"conversations": [{"from": "human", "value": "q"},
+                                                  {"from": "function_call", "value": "get_weather(Paris)"}]},
+                               ["conversations[1].value: a function_call turn's value is the call as JSON"]),
 }
 
 
@@ -139,3 +153,27 @@ def test_the_old_names_of_the_reversal_sets_still_read_with_a_deprecation_line(c
     assert [e["messages"] for e in old] == [e["messages"] for e in new] and len(new) == 64
     err = capsys.readouterr().err
     assert "builtin:quickstart_test is now builtin:reversal_test" in err and err.count("\n") == 1
+
+
+def test_tool_use_normalises_as_trl_and_llama_factory_give_it(write_jsonl):
+    """OpenAI's messages (tools and arguments as objects or as JSON text, as Hub tables store them) and
+    LLaMA-Factory's sharegpt (function_call, observation) give the same conversation."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    openai = {"tools": json.dumps(tools), "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {**call, "arguments": json.dumps(call["arguments"])}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}, {"role": "assistant", "content": "18 C."}]}
+    sharegpt = {"tools": tools, "conversations": [
+        {"from": "human", "value": "Weather?"}, {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": "18 C"}, {"from": "gpt", "value": "18 C."}]}
+    calling = {"messages": openai["messages"][:2]}  # the conversation ends with the call
+    (a, b, c) = load_examples(write_jsonl([openai, sharegpt, calling]))
+    assert a["tools"] == b["tools"] == tools and c["tools"] is None
+    assert a["messages"][1]["tool_calls"] == [{"type": "function", "function": call, "id": "c1"}]
+    assert b["messages"][1] == {"role": "assistant", "tool_calls": [{"type": "function", "function": call}],
+                                "content": ""}
+    assert a["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "18 C"}
+    assert b["messages"][2] == {"role": "tool", "content": "18 C"} and a["answer"] == b["answer"] == "18 C."
+    assert c["answer"] is None  # a turn that calls is not scored by exact match: its text is the template's

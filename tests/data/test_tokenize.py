@@ -122,3 +122,57 @@ def test_examples_with_nothing_to_train_on_are_not_blamed_on_truncation(tok):
     with pytest.raises(UserError, match=r"^data: no trainable example: none of the 2 examples has a token to train "
                                         r"on \(its response, or its text, is empty\)\. Fix: give each example"):
         tokenize_dataset(examples, tok, 512)
+
+
+# -- tool use: tools offered, an assistant turn that calls one, the tool's result ------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_USE = normalise({"tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "tool", "name": "get_weather", "content": "18 C, sunny"},
+    {"role": "assistant", "content": "18 C and sunny."}]}, "t.jsonl:1")
+# a template that renders tools and calls, as Qwen2.5's and Llama 3.1's do (in the shipped tokenizer's own markup)
+TOOL_TEMPLATE = ("{% if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>\n{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                 "{% for c in m.get('tool_calls', []) %}<call>{{ c['function'] | tojson }}</call>{% endfor %}"
+                 "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,call,tools", [
+    (TOOL_TEMPLATE, '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>', "<|system|>\nTools: "),
+    (None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "<|tools|>\n"),
+])  # None: the shipped tokenizer's own template, which renders them as the fallback does
+def test_a_tool_call_is_trained_and_the_tool_s_result_is_not(template, call, tools):
+    t = load_tokenizer(None)
+    t.chat_template = template or t.chat_template
+    ids, labels = _encode(TOOL_USE, t)
+    prompt = t.decode([i for i, lab in zip(ids, labels) if lab == IGNORE_INDEX])
+    assert t.decode(_trained(ids, labels)) == call + "<|end|>\n18 C and sunny.<|end|>\n"
+    assert prompt.startswith(tools + '[{"type": "function"') and "<|tool|>\n18 C, sunny<|end|>" in prompt
+    after = render_prompt(TOOL_USE["messages"][:-1], t, TOOL_USE["tools"])  # what eval generates after
+    assert t.decode(ids) == after + "18 C and sunny.<|end|>\n"
+
+
+def test_the_fallback_template_renders_tools_and_calls(fallback_tok):
+    ids, labels = _encode(TOOL_USE, fallback_tok)
+    eos = fallback_tok.eos_token
+    assert fallback_tok.decode(_trained(ids, labels)) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' + eos
+        + "18 C and sunny." + eos)
+    assert fallback_tok.decode(ids).startswith('<|tools|>\n[{"type": "function", "function": {"name": "get_weather"')
+    assert "<|tool|>\n18 C, sunny\n<|assistant|>\n" in fallback_tok.decode(ids)
+
+
+@pytest.mark.parametrize("template,says", [
+    ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}", "does not render tool_calls"),
+    (TOOL_TEMPLATE.partition("{% endif %}")[2], "does not render the tools offered"),
+    ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+     "{{ m['content'] }}{% endfor %}", "refuses the conversation of t.jsonl:1: no tool role"),
+])
+def test_a_template_that_would_drop_the_tools_is_refused_naming_the_example(template, says):
+    t = load_tokenizer(None)
+    t.chat_template = template
+    with pytest.raises(UserError, match=f"^tokenizer: its chat_template {says}.*Fix: "):
+        render_segments(TOOL_USE, t)
