@@ -662,6 +662,11 @@ class RevFFNForCausalLM(nn.Module):
         return [p for n, p in self.named_parameters() if n.rsplit(".", 2)[-2] in ADAPTER_PREFIXES]
 
 
+def stream_name(model: RevFFNForCausalLM) -> str:
+    """The name (a key of STREAM_DTYPES) of the streams `model` runs, as revffn.json records it."""
+    return next(name for name, dtype in STREAM_DTYPES.items() if dtype == model.stream_dtype)
+
+
 def pick_stream_dtype(model: RevFFNForCausalLM, seed: int = 0, reduce=None) -> dict:
     """`stream_dtype: auto`: set `model.stream_dtype` to float32, or to float64 where float32 streams rebuild some
     layer's input (`RevFFNForCausalLM.rebuild_errors`, 2 x 64 random tokens of `seed`, eval mode: the same tokens

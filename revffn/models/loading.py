@@ -404,7 +404,9 @@ def converted_skeleton(root: Path, hf):
     from revffn.conversion.convert import STREAM_DTYPES, convert
 
     manifest = read_revffn_json(root)
-    stream = STREAM_DTYPES.get(manifest.get("stream_dtype", "float32"), torch.bfloat16)
+    # "auto": a buffered `revffn convert` wrote what it was asked before stop 67; it built float32 streams, as its
+    # config.json says (transformers' load reads that)
+    stream = STREAM_DTYPES.get(manifest.get("stream_dtype", "float32"), torch.float32)
     return convert(hf, adapter_init=manifest.get("adapter_init", "coordinate"), stream_dtype=stream,
                    adapter_skip=bool(converted_option(str(root), "adapter_skip")),
                    stream_width=converted_option(str(root), "stream_width"),

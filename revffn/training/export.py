@@ -33,6 +33,7 @@ from revffn.conversion.convert import (
     convert,
     describe_streams,
     pick_stream_dtype,
+    stream_name,
 )
 from revffn.data import DEFAULT_CALIBRATION
 from revffn.data.calibration import SELF, file_rows
@@ -220,7 +221,7 @@ def run_convert(spec: ConvertSpec, log=log_line) -> dict:
     if data:
         log("loss on " + data + ": " + ", ".join(f"{k} {v:.4f}" for k, v in gap.items() if k != "data"))
     manifest = {"format": "revffn", "method": "revffn", **({} if buffered else {"adapter_init": "calibrated"}),
-                "stream_dtype": spec.stream_dtype, **({"streams": streams} if streams else {}),
+                "stream_dtype": stream_name(model), **({"streams": streams} if streams else {}),
                 "converted_from": spec.model, "convert": asdict(spec),
                 "conversion_gap": gap, "calibration": calibration, "heal": heal,
                 "wall_s": round(time.perf_counter() - t0, 2), "peak_rss_bytes": peak_rss_bytes(), **gpu_peak(model)}

@@ -77,6 +77,26 @@ def test_convert_writes_a_model_that_trains_and_reloads(tmp_path, capsys):
         assert not torch.equal(trained(ids).logits, converted(ids).logits)  # it trained
 
 
+def test_a_buffered_conversion_computes_the_same_in_revffn_and_in_transformers(tmp_path):
+    """`revffn convert`'s default (buffered, --stream-dtype auto) wrote "auto" in revffn.json, which revffn's load
+    read as bfloat16 streams while config.json (transformers' load) said float32: lm-eval's loglikelihoods were
+    0.005-0.035 nats off revffn's own."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "rev"
+    assert main(["convert", "tiny-qwen2-moe", "--out", str(out)]) == 0
+    assert json.loads((out / "revffn.json").read_text())["stream_dtype"] == "float32"
+    ours = load(str(out))
+    theirs = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert ours.stream_dtype == theirs.revffn.stream_dtype == torch.float32
+    ids = torch.randint(3, 2048, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=0, atol=0)
+    manifest = json.loads((out / "revffn.json").read_text())  # a directory written before: its "auto" is float32
+    (out / "revffn.json").write_text(json.dumps({**manifest, "stream_dtype": "auto"}))
+    assert load(str(out)).stream_dtype == torch.float32
+
+
 def test_a_converted_model_refuses_other_methods_and_a_second_conversion(tmp_path, capsys):
     out = tmp_path / "rev"
     assert main([*CONVERT, "tiny-qwen2-moe", "--out", str(out), "--calibration-tokens", "256"]) == 0
