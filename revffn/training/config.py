@@ -375,7 +375,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> TrainCo
             for sk, sv in v.items():
                 full = f"{k}.{sk}"
                 if sk not in section_schemas[k]:
-                    problems.append(f"{where(full)}unknown key {shown(full)}.{closest(str(sk), section_schemas[k])} "
+                    near = closest(full, [f"{k}.{name}" for name in section_schemas[k]])  # what to type
+                    problems.append(f"{where(full)}unknown key {shown(full)}.{near} "
                                     f"Fix: one of the {k} keys: {', '.join(section_schemas[k])}.")
                     continue
                 sv = coerce(sv, section_schemas[k][sk])

@@ -134,6 +134,7 @@ def test_empty_after_truncation(tmp_path, capsys):
 def test_unknown_method_and_preset(tmp_path, capsys):
     _fails(capsys, ["train", str(_cfg(tmp_path, method="revfn"))], "revfn", "Did you mean 'revffn'")
     _fails(capsys, ["train", str(_cfg(tmp_path, model="tiny-qwen2-mo"))], "tiny-qwen2-mo", "tiny-qwen2-moe")
+    _fails(capsys, ["train", str(_cfg(tmp_path)), "lora.rr=8"], "Did you mean 'lora.r'?")  # what to type, not 'r'
 
 
 def test_model_dir_without_config_json(tmp_path, capsys):
