@@ -43,12 +43,12 @@ def patterns(weights: bool) -> list[str]:
     return META_FILES + (WEIGHT_FILES if weights else [])
 
 
-def download_command(ref: str) -> str:
-    """The `hf download` line that fills the cache with everything revffn reads of `ref` (the weights too:
-    the cache then serves every command, offline)."""
+def download_command(ref: str, weights: bool = True) -> str:
+    """The `hf download` line that fills the cache with what revffn reads of `ref`: with the weights, every
+    command then runs offline; without, those that read only configs and tokenizer (`revffn estimate`)."""
     repo_id, revision = parse_hub_id(ref)
     return " ".join(["hf download", repo_id, *(["--revision", revision] if revision else []),
-                     *(f"--include '{p}'" for p in patterns(weights=True))])
+                     *(f"--include '{p}'" for p in patterns(weights))])
 
 
 def _first_line(e: Exception) -> str:
@@ -89,7 +89,8 @@ def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
     from huggingface_hub import constants, errors, snapshot_download
 
     repo_id, revision = parse_hub_id(ref)
-    fetch = f"`{download_command(ref)}`"
+    fetch = f"`{download_command(ref, weights)}`" + ("" if weights else " (what this command reads; add "
+                                                      "--include '*.safetensors' for the commands that load it)")
     cache = constants.HF_HUB_CACHE
     for known in ((cache, ref, True), (cache, ref, weights)):
         if known in _RESOLVED and Path(_RESOLVED[known]).is_dir():
@@ -106,9 +107,11 @@ def snapshot(ref: str, key: str = "model", weights: bool = True) -> str:
                             f"Fix: complete it with network: {fetch}.") from None
         why = ("HF_HUB_OFFLINE=1 forbids downloading it" if constants.is_offline_mode()
                else "the Hugging Face Hub could not be reached")
-        raise UserError(f"{key}: {ref!r} is not in the Hugging Face cache ({cache}) and {why}{_local_hint(ref)}. "
-                        f"Fix: download it on a machine with network into that cache (HF_HUB_CACHE): {fetch}; or "
-                        f"point {key} at a local directory.") from None
+        hint = _local_hint(ref)  # (then most likely a path with a typo: that fix first)
+        download = f"download it on a machine with network into that cache (HF_HUB_CACHE): {fetch}"
+        raise UserError(f"{key}: {ref!r} is not in the Hugging Face cache ({cache}) and {why}{hint}. Fix: "
+                        + (f"point {key} at an existing directory, or if {ref!r} is a Hub ID, {download}." if hint
+                           else f"{download}; or point {key} at a local directory.")) from None
     except errors.GatedRepoError:
         raise UserError(f"{key}: {repo_id!r} is gated on the Hugging Face Hub and this token has no access. Fix: "
                         f"accept its conditions on https://huggingface.co/{repo_id}, then log in (`hf auth login` "
