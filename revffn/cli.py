@@ -427,6 +427,10 @@ def cmd_validate(args) -> int:
     s = plan.train_set.stats
     data = ("streamed (its first example reads)" if cfg.streaming else f"{s['n_examples']} examples, "
             f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens")
+    if "RANK" in os.environ:  # under torchrun: each rank checked its own data shard and device; rank 0 says it
+        launch = f"; distributed={plan.distributed}: checked on each of {os.environ.get('WORLD_SIZE', '?')} processes"
+        if os.environ["RANK"] != "0":
+            return 0
     print(f"config OK: method={cfg.method} model={cfg.model} device={plan.device}; data: {data}"
           + (f"; eval_data: {plan.eval_set.stats['n_examples']} examples" if plan.eval_set else "") + launch
           + ("; the method prepared on the model's modules" if unchecked is None else
@@ -712,8 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config, its data, and the method on the model's modules (built "
                        "without weights) without training")
-    v.add_argument("config", nargs="?", default=None)
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("config", nargs="?", default=None, help="YAML config, as `revffn train` takes it; omit for the "
+                   "built-in quickstart")
+    v.add_argument("overrides", nargs="*", help="key=value overrides, as `revffn train` takes them")
     v.set_defaults(fn=cmd_validate)
 
     g = sub.add_parser("generate", help="greedy generation from a trained model")

@@ -361,3 +361,9 @@ def test_fsdp_shards_the_distillation_teacher_copy_like_the_model(tmp_path):
         assert all(isinstance(p, DTensor) for p in run.model.parameters())
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_validate_under_torchrun_checks_every_rank_and_says_it_once(tmp_path):
+    proc = _torchrun(tmp_path / "run", ["distributed=fsdp"], launch=("-m", "revffn", "validate", ""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("config OK") == 1 and "distributed=fsdp: checked on each of 2 processes" in proc.stdout
