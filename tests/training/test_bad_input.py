@@ -131,6 +131,17 @@ def test_empty_after_truncation(tmp_path, capsys):
     _fails(capsys, ["train", str(_cfg(tmp_path, max_seq_length=16))], "max_seq_length")
 
 
+def test_examples_lost_to_truncation_are_said_once_and_kept_in_events(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    rows = [{"instruction": "word " * 40, "output": "x"}] * 3 + [{"instruction": "a b", "output": "b a"}] * 5
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["train", str(_cfg(tmp_path, max_seq_length=16, max_steps=1))]) == 0
+    err = capsys.readouterr().err
+    assert "data: 3 of 8 examples lost every trained token to truncation at max_seq_length=16 and are left out" in err
+    (event,) = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert (event["event"], event["n_dropped"], event["n_examples"]) == ("data_dropped", 3, 8)
+
+
 def test_unknown_method_and_preset(tmp_path, capsys):
     _fails(capsys, ["train", str(_cfg(tmp_path, method="revfn"))], "revfn", "Did you mean 'revffn'")
     _fails(capsys, ["train", str(_cfg(tmp_path, model="tiny-qwen2-mo"))], "tiny-qwen2-mo", "tiny-qwen2-moe")
