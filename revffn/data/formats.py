@@ -192,7 +192,7 @@ def _tool_calls(calls: object, at: str) -> list[dict]:
         if not isinstance(function, dict):
             raise UserError(f"{where}: a call is an object with a \"function\" object, got {json.dumps(call)[:60]}. "
                             f"{fix}")
-        name, arguments = _str(function, "name", f"{where}.function"), function.get("arguments", {})
+        name, arguments = _str(function, "name", f"{where}.function"), function.get("arguments") or {}
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}

@@ -177,3 +177,6 @@ def test_tool_use_normalises_as_trl_and_llama_factory_give_it(write_jsonl):
     assert a["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "18 C"}
     assert b["messages"][2] == {"role": "tool", "content": "18 C"} and a["answer"] == b["answer"] == "18 C."
     assert c["answer"] is None  # a turn that calls is not scored by exact match: its text is the template's
+    bare = {"messages": [{"role": "user", "content": "Now?"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "now", "arguments": None}}]}]}  # (a table's null: no arguments)
+    assert load_examples(write_jsonl([bare]))[0]["messages"][1]["tool_calls"][0]["function"]["arguments"] == {}
