@@ -6,7 +6,8 @@ Accepted example formats, detected per example by its keys:
 
 * alpaca:    {"instruction", "input"?, "output", "system"?}  (user = instruction + "\\n\\n" + input)
 * sharegpt:  {"conversations": [{"from": human|user|gpt|assistant|system|function_call|observation, "value"}],
-             "tools"?}  (LLaMA-Factory's: a function_call turn is the assistant's, an observation the tool's)
+             "system"?, "tools"?}  (LLaMA-Factory's: a function_call turn is the assistant's, an observation the
+             tool's, "system" the system prompt)
 * messages:  {"messages": [{"role": system|user|assistant|tool, "content"}], "tools"?}; a content may be a list
              of parts, [{"type": "text", "text"}, ...] as in OpenAI's and transformers' chat format, joined into one
              text; an assistant turn may carry "tool_calls" ([{"type": "function", "function": {"name",
@@ -42,7 +43,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 CHAT_KEYS = {"messages", "conversations", "instruction", "prompt", "completion"}  # a record's format: which it has
 FORMAT_KEYS = CHAT_KEYS | {"text"}
 FORMATS_HELP = ("accepted formats: alpaca {instruction, input?, output, system?}; sharegpt {conversations: "
-                "[{from, value}], tools?}; messages {messages: [{role, content, tool_calls?}], tools?}; "
+                "[{from, value}], system?, tools?}; messages {messages: [{role, content, tool_calls?}], tools?}; "
                 "{prompt, completion}; {text}")
 
 
@@ -249,7 +250,12 @@ def _messages(rec: dict, where: str) -> list[dict]:
     if "messages" in rec:
         return _message_list(rec["messages"], "messages", where, "role", "content", identity)
     if "conversations" in rec:
-        return _message_list(rec["conversations"], "conversations", where, "from", "value", SHAREGPT_ROLES)
+        turns = _message_list(rec["conversations"], "conversations", where, "from", "value", SHAREGPT_ROLES)
+        system = _str(rec, "system", where, optional=True)  # LLaMA-Factory's system column
+        if system and turns[0]["role"] == "system":
+            raise UserError(f"{where}: a system prompt twice, in field 'system' and as conversations[0]. Fix: keep "
+                            "one of them.")
+        return ([{"role": "system", "content": system}] if system else []) + turns
     if "instruction" in rec:
         system, instruction = _str(rec, "system", where, optional=True), _str(rec, "instruction", where)
         user_input, output = _str(rec, "input", where, optional=True), _str(rec, "output", where)

@@ -136,7 +136,7 @@ def test_hf_columns_of_no_format(tmp_path, capsys):
     pq.write_table(_table([{"question": "q", "answer": "a"}]), root / "train.parquet")
     msg = _error(f"hf:{root}")
     assert msg.startswith(f"data: 'hf:{root}' has columns ['question', 'answer'], none of which any format reads. ")
-    for columns in ("{instruction, input?, output, system?}", "{conversations: [{from, value}], tools?}",
+    for columns in ("{instruction, input?, output, system?}", "{conversations: [{from, value}], system?, tools?}",
                     "{messages: [{role, content, tool_calls?}], tools?}", "{prompt, completion}", "{text}"):
         assert columns in msg
     assert cli.main(["train", "", *TINY, f"data=hf:{root}", f"output_dir={tmp_path / 'run'}"]) == 2
