@@ -426,7 +426,8 @@ def cmd_validate(args) -> int:
     unchecked = check_on_skeleton(cfg, plan)
     s = plan.train_set.stats
     data = ("streamed (its first example reads)" if cfg.streaming else f"{s['n_examples']} examples, "
-            f"{s['n_truncated']} truncated, {s['n_dropped']} dropped, {s['n_train_tokens']} trained tokens")
+            f"{s['n_truncated']} truncated ({s['n_cut']} inside what they train on), {s['n_dropped']} dropped, "
+            f"{s['n_train_tokens']} trained tokens")
     if "RANK" in os.environ:  # under torchrun: each rank checked its own data shard and device; rank 0 says it
         launch = f"; distributed={plan.distributed}: checked on each of {os.environ.get('WORLD_SIZE', '?')} processes"
         if os.environ["RANK"] != "0":

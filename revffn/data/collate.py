@@ -53,10 +53,12 @@ def has_trained_token(labels: list[int]) -> bool:
     return any(t != IGNORE_INDEX for t in labels[1:])
 
 
-def encode_truncated(example: dict, tokenizer, max_seq_length: int) -> tuple[list[int], list[int], bool]:
-    """(ids, labels, whether it was truncated) of one example cut to `max_seq_length` tokens."""
+def encode_truncated(example: dict, tokenizer, max_seq_length: int) -> tuple[list[int], list[int], int]:
+    """(ids, labels, what truncation took) of one example cut to `max_seq_length` tokens: 0 nothing, 1 untrained
+    tokens only, 2 some it trains on (a response's end, a document's)."""
     ids, labels = _encode(example, tokenizer, max_seq_length * CHARS_PER_TOKEN_CAP)
-    return ids[:max_seq_length], labels[:max_seq_length], len(ids) > max_seq_length
+    cut = 0 if len(ids) <= max_seq_length else 2 if any(t != IGNORE_INDEX for t in labels[max_seq_length:]) else 1
+    return ids[:max_seq_length], labels[:max_seq_length], cut
 
 
 def _pack(items: list[tuple[list[int], list[int]]], length: int) -> list[tuple[list[int], list[int]]]:
@@ -72,14 +74,16 @@ def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packi
     """Tokenise normalised examples into training items, truncating to `max_seq_length`.
 
     Examples left with no trained token after truncation are dropped; a UserError names `key` when
-    nothing is left. `stats` holds n_examples, n_truncated, n_dropped, n_items, n_tokens, n_train_tokens.
+    nothing is left. `stats` holds n_examples, n_truncated, n_cut (truncated inside what they train on, the
+    dropped ones included), n_dropped, n_items, n_tokens, n_train_tokens.
     """
     if max_seq_length < 2:
         raise UserError(f"max_seq_length: must be at least 2, got {max_seq_length}. Fix: use e.g. 512.")
-    items, n_truncated, n_dropped = [], 0, 0
+    items, n_truncated, n_cut, n_dropped = [], 0, 0, 0
     for example in examples:
-        ids, labels, truncated = encode_truncated(example, tokenizer, max_seq_length)
-        n_truncated += truncated
+        ids, labels, cut = encode_truncated(example, tokenizer, max_seq_length)
+        n_truncated += cut > 0
+        n_cut += cut == 2
         if not has_trained_token(labels):
             n_dropped += 1
             continue
@@ -95,7 +99,8 @@ def tokenize_dataset(examples: list[dict], tokenizer, max_seq_length: int, packi
     if packing:
         items = _pack(items, max_seq_length)
     stats = {
-        "n_examples": len(examples), "n_truncated": n_truncated, "n_dropped": n_dropped, "n_items": len(items),
+        "n_examples": len(examples), "n_truncated": n_truncated, "n_cut": n_cut, "n_dropped": n_dropped,
+        "n_items": len(items),
         "n_tokens": sum(len(ids) for ids, _ in items),
         "n_train_tokens": sum(t != IGNORE_INDEX for _, labels in items for t in labels),
     }

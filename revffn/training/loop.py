@@ -157,12 +157,14 @@ class Recipe:
             _event(plan.run_dir, {"event": "load", "loading": self.run.loading, "world_size": world},
                    f"{cfg.model} on {world} FSDP ranks: {how}")
         s = plan.train_set.stats
-        if self.main and plan.resume_from is None and s.get("n_dropped"):  # (a stream's are not known ahead)
-            _event(plan.run_dir, {"event": "data_dropped", "max_seq_length": cfg.max_seq_length,
-                                  **{k: s[k] for k in ("n_examples", "n_truncated", "n_dropped", "n_train_tokens")}},
-                   f"data: {s['n_dropped']} of {s['n_examples']} examples lost every trained token to truncation at "
-                   f"max_seq_length={cfg.max_seq_length} and are left out ({s['n_truncated']} truncated in all, "
-                   f"{s['n_train_tokens']} trained tokens left); a larger max_seq_length keeps them")
+        if self.main and plan.resume_from is None and s.get("n_cut"):  # (a stream's are not known ahead)
+            left_out = f", {s['n_dropped']} of them all of it (left out)" if s["n_dropped"] else ""
+            _event(plan.run_dir, {"event": "data_truncated", "max_seq_length": cfg.max_seq_length,
+                                  **{k: s[k] for k in ("n_examples", "n_truncated", "n_cut", "n_dropped",
+                                                       "n_train_tokens")}},
+                   f"data: {s['n_cut']} of {s['n_examples']} examples lost tokens they train on (a response's end, "
+                   f"a text's) to truncation at max_seq_length={cfg.max_seq_length}{left_out}; "
+                   f"{s['n_train_tokens']} trained tokens left. A larger max_seq_length keeps them")
         self.run.method.before_training(self.run.model, None if cfg.streaming else plan.train_set.items)
         if self.main:  # before the bar: wandb and mlflow print as they start
             self.trackers = Trackers(cfg, plan.run_dir, self.step)

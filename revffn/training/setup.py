@@ -372,10 +372,15 @@ def prepare_run(cfg) -> RunPlan:
                                      "data")
     step_rows = cfg.per_device_train_batch_size * launched_world() * cfg.gradient_accumulation_steps
     if not cfg.streaming and step_rows > len(train_set.items):
+        s = train_set.stats
+        why = (f" ({s['n_dropped']} of its {s['n_examples']} examples lost all they train on to truncation at "
+               f"max_seq_length={cfg.max_seq_length})" if s["n_dropped"] else
+               f" (its {s['n_examples']} examples packed into rows of {cfg.max_seq_length})" if cfg.packing else "")
+        more = ", a larger max_seq_length" if s["n_dropped"] else ""
         raise UserError(f"per_device_train_batch_size {cfg.per_device_train_batch_size} x {launched_world()} "
                         f"processes x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {step_rows} rows "
-                        f"a step, but data holds {len(train_set.items)}: every step would repeat examples. Fix: a "
-                        "smaller batch (or global_batch_size), or more data.")
+                        f"a step, but data holds {len(train_set.items)}{why}: every step would repeat examples. Fix: a "
+                        f"smaller batch (or global_batch_size){more}, or more data.")
     if not cfg.streaming:
         method.check_data(cfg, train_set.items)
     eval_set = None

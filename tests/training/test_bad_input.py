@@ -131,15 +131,29 @@ def test_empty_after_truncation(tmp_path, capsys):
     _fails(capsys, ["train", str(_cfg(tmp_path, max_seq_length=16))], "max_seq_length")
 
 
-def test_examples_lost_to_truncation_are_said_once_and_kept_in_events(tmp_path, capsys):
+def test_responses_cut_by_truncation_are_said_once_and_kept_in_events(tmp_path, capsys):
+    """3 prompts too long for their response (left out), 1 response cut at its end, 4 whole: one line, one event."""
     data = tmp_path / "train.jsonl"
-    rows = [{"instruction": "word " * 40, "output": "x"}] * 3 + [{"instruction": "a b", "output": "b a"}] * 5
+    rows = [{"instruction": "word " * 40, "output": "x"}] * 3 + [{"instruction": "a", "output": "b " * 40}] + \
+        [{"instruction": "a b", "output": "b a"}] * 4
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert cli.main(["train", str(_cfg(tmp_path, max_seq_length=16, max_steps=1))]) == 0
     err = capsys.readouterr().err
-    assert "data: 3 of 8 examples lost every trained token to truncation at max_seq_length=16 and are left out" in err
+    assert ("data: 4 of 8 examples lost tokens they train on (a response's end, a text's) to truncation at "
+            "max_seq_length=16, 3 of them all of it (left out)") in err, err
     (event,) = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    assert (event["event"], event["n_dropped"], event["n_examples"]) == ("data_dropped", 3, 8)
+    assert (event["event"], event["n_cut"], event["n_dropped"], event["n_examples"]) == ("data_truncated", 4, 3, 8)
+
+
+def test_a_batch_larger_than_the_data_is_refused_saying_what_truncation_took(tmp_path, capsys):
+    _fails(capsys, ["train", str(_cfg(tmp_path, per_device_train_batch_size=16))],
+           "= 16 rows a step, but data holds 8: every step would repeat examples. Fix: a smaller batch")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"instruction": "word " * 40, "output": "x"}] * 3
+                            + [{"instruction": "a b", "output": "b a"}] * 5))
+    _fails(capsys, ["train", str(_cfg(tmp_path, per_device_train_batch_size=6, max_seq_length=16))],
+           "but data holds 5 (3 of its 8 examples lost all they train on to truncation at max_seq_length=16)",
+           "a larger max_seq_length")
 
 
 def test_unknown_method_and_preset(tmp_path, capsys):
