@@ -501,8 +501,9 @@ def _open_run_dir(cfg, plan, restarts: int) -> None:
 def _log_resume(cfg, plan, restarts: int, restart_error: str | None, finished: int | None = None) -> None:
     """events.jsonl and stderr: the restart this run is (if it is one), and each checkpoint it rolled
     back over, which is moved aside to checkpoints/rejected-step-N (so it is neither resumed nor
-    counted by save_total_limit again); stderr: a resume of a run that had finished (at step `finished`) trains the
-    steps after its newest checkpoint again (the last step has no checkpoint: final/ is the model)."""
+    counted by save_total_limit again); stderr: which checkpoint a resume starts from, and that a resume of a run
+    that had finished (at step `finished`) trains the steps after its newest checkpoint again (the last step has no
+    checkpoint: final/ is the model)."""
     to = plan.resume_from.name if plan.resume_from is not None else None
     if finished is not None and to is not None:
         from_step = read_trainer_state(plan.resume_from)["step"]
@@ -511,6 +512,9 @@ def _log_resume(cfg, plan, restarts: int, restart_error: str | None, finished: i
         more = f", then on to {cfg.max_steps}," if cfg.max_steps > finished else ""
         print(f"revffn train: the run had finished at step {finished}; resuming from {to} trains {again} again{more} "
               "and rewrites final/ (overwrite=true starts afresh)", file=sys.stderr)
+    elif to is not None and restart_error is None:  # (a restart says it in its own line below)
+        from_step = read_trainer_state(plan.resume_from)["step"]
+        print(f"revffn train: resuming from {plan.resume_from} (step {from_step} of {cfg.max_steps})", file=sys.stderr)
     if restart_error is not None:
         limit = f"/{cfg.max_restarts}" if cfg.max_restarts else ""
         from_step = read_trainer_state(plan.resume_from)["step"] if to else 0  # (resume may name any dir)

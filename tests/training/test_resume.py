@@ -57,8 +57,10 @@ def reference(tmp_path_factory):
 
 def _resume_matches(cfg: Path, run: Path, reference: dict[int, float]) -> None:
     """resume=true finishes the run, and every step's loss is the uninterrupted run's (1e-6)."""
+    newest = sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
     second = _train(cfg, "resume=true")
     assert second.returncode == 0, second.stderr[-2000:]
+    assert f"revffn train: resuming from {newest} (step {newest.name[5:]} of 10)" in second.stderr  # said where from
     resumed = _losses(run)
     assert sorted(resumed) == list(range(1, 11))
     for step, loss in reference.items():
