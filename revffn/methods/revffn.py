@@ -324,9 +324,10 @@ class RevFFNMethod(Method):
         from revffn.methods.calibration import log_line
 
         if self.opts["coupling"] == "buffered":  # the streams are fixed point, rebuilt bitwise
-            log_line(f"coupling buffered: every decoder layer whole on int64 fixed-point streams, "
-                     f"{self.opts['buffer_bits']} bits a coordinate a layer kept for the backward, "
-                     f"{self.opts['buffer_momentum']} momentum")
+            if data_shard()[0] == 0:  # (the same on every rank: rank 0 says it)
+                log_line(f"coupling buffered: every decoder layer whole on int64 fixed-point streams, "
+                         f"{self.opts['buffer_bits']} bits a coordinate a layer kept for the backward, "
+                         f"{self.opts['buffer_momentum']} momentum")
             return
         if self.opts["stream_dtype"] != AUTO or self.resuming:
             return
@@ -336,7 +337,8 @@ class RevFFNMethod(Method):
         self.streams = pick_stream_dtype(model, reduce=reduce)
         if self.teacher is not None:  # distill_coef's frozen copy runs the same streams
             self.teacher.stream_dtype = model.stream_dtype
-        log_line(describe_streams(self.streams))
+        if data_shard()[0] == 0:  # (all-reduced: the same on every rank)
+            log_line(describe_streams(self.streams))
 
     def _calibrate(self, model) -> None:
         if self.opts["coupling"] == "buffered":

@@ -122,6 +122,8 @@ def test_data_parallel_equals_one_process(tmp_path, method):
         r = _torchrun(out, [*options, "per_device_train_batch_size=2", f"distributed={strategy}", "save_steps=2"])
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.count("revffn train: done.") == 1  # rank 0 alone reports (the summary says which is main)
+        if method == "revffn-buffered":  # a line every rank would say the same: once
+            assert r.stderr.count("revffn: coupling buffered:") == 1, r.stderr[-3000:]
         ckpt = out / "checkpoints" / "step-2"  # rank 0's whole model (ddp), or every rank's shards (fsdp: DCP)
         assert (ckpt / ("dcp/.metadata" if strategy == "fsdp" else "model.safetensors")).is_file()
         _assert_same_run(tmp_path / "one", out, f"{method} {strategy}")
