@@ -729,19 +729,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     e = sub.add_parser("eval", help="loss, perplexity and exact-match accuracy on a data file")
-    e.add_argument("model_dir")
+    e.add_argument("model_dir", help="a run's final/ directory, an HF directory, a Hub ID, builtin:NAME, or a tiny "
+                   "preset")
     e.add_argument("--data", required=True, help="a data file (JSON/JSONL/parquet/arrow/csv), a save_to_disk "
                    "directory, hf:NAME[:CONFIG][@SPLIT] or builtin:NAME")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the report (with each scored sample) as one JSON "
+                   "object")
     e.add_argument("--limit", type=_nonnegative, default=None, help="score at most N examples by exact match")
     e.add_argument("--loglikelihoods", action="store_true", help="also report each example's summed log-prob of "
                    "its response given the prompt, as lm-eval scores it (docs/outputs.md)")
     e.add_argument("--match", choices=("exact", "contains"), default="exact",
                    help="exact: the whitespace-collapsed generation equals the reference (or its `Answer:` line "
                    "does); contains: it contains the reference, case-insensitive (default: %(default)s)")
-    e.add_argument("--batch-size", type=_positive, default=16)
-    e.add_argument("--max-new-tokens", type=_positive, default=48)
-    e.add_argument("--max-seq-length", type=_sequence_length, default=512)
+    e.add_argument("--batch-size", type=_positive, default=16, help="examples a forward (default: %(default)s)")
+    e.add_argument("--max-new-tokens", type=_positive, default=48, help="greedy tokens generated for exact match "
+                   "(default: %(default)s)")
+    e.add_argument("--max-seq-length", type=_sequence_length, default=512, help="tokens an example is cut to for "
+                   "the loss, as training cuts it (default: %(default)s)")
     e.set_defaults(fn=cmd_eval)
     return p
 

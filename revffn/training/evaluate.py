@@ -68,6 +68,11 @@ def eval_loss(model, dataset, batch_size: int, pad_id: int, device, autocast, pr
     return (total / count.clamp(min=1)).item()
 
 
+def _asked(messages: list[dict]) -> str:
+    """What a sample shows as its prompt: the last user turn (after a tool call, the turn before is the tool's)."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-2]["content"])
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, batch_size: int = 16,
              max_new_tokens: int = 48, limit: int | None = None, match: str = "exact",
@@ -103,7 +108,7 @@ def evaluate(model, tokenizer, examples: list[dict], max_seq_length: int = 512, 
     hits = [is_match(p, e["answer"], match) for p, e in zip(preds, scored)]
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)), "exact_match": sum(hits) / len(hits) if hits else None,
             "match": match, "n_scored": len(hits), "n_examples": len(examples),
-            "samples": [{"prompt": e["messages"][-2]["content"], "reference": e["answer"], "prediction": p}
+            "samples": [{"prompt": _asked(e["messages"]), "reference": e["answer"], "prediction": p}
                         for e, p in list(zip(scored, preds))[:3]]}
 
 

@@ -95,3 +95,15 @@ def test_eval_reports_the_loss_and_the_generation_as_two_bars(monkeypatch):
     evaluate(*cli._load_for_cli("builtin:base"), examples, batch_size=4, max_new_tokens=2, limit=6)
     assert [(desc, total) for desc, total, _ in bars] == [("eval loss", 3), ("eval generate", 2)]
     assert [updates[-1] for _, _, updates in bars] == [(3, 3), (2, 2)]
+
+
+def test_a_sample_shows_the_user_s_question_after_a_tool_s_result():
+    from revffn.data.formats import normalise
+
+    tool_use = normalise({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "weather",
+                                                                               "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "18 C."}]}, "t:1")
+    report = evaluate(*cli._load_for_cli("builtin:base"), [tool_use], max_new_tokens=2)
+    assert [s["prompt"] for s in report["samples"]] == ["Weather in Paris?"]  # not the tool's "18 C"
