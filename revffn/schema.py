@@ -59,8 +59,11 @@ _E_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 re
 
 def coerce(value, key: Key):
     """Accept what YAML users write: ints for floats, '1e-4' strings for floats (in a mapping's values too, e.g.
-    model_config's), a list for a `multiple` key, `~/` in a path (the shell expands it on the command line only)."""
+    model_config's), a list for a `multiple` key, `~/` in a path (the shell expands it on the command line only),
+    null for a mapping whose default is one (`model_config=null`: clears what the config file sets)."""
     types = key.type if isinstance(key.type, tuple) else (key.type,)
+    if value is None and dict in types and isinstance(key.default, dict):
+        return dict(key.default)
     if key.path and isinstance(value, str) and value.startswith("~"):
         return os.path.expanduser(value)
     if dict in types and isinstance(value, dict):

@@ -25,7 +25,8 @@ SCHEMA: dict[str, Key] = {
     "model": Key(str, None, "builtin:base, builtin:smollm2[-moe], a tiny preset (tiny-qwen2-moe, ...), a local HF "
                  "model directory, a GGUF file, or a Hub ID ORG/NAME[@REVISION] (HF cache; downloaded unless "
                  "HF_HUB_OFFLINE=1)", required=True, path=True),
-    "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs)"),
+    "model_config": Key(dict, {}, "HF config overrides, e.g. {num_hidden_layers: 4} (presets and local dirs; "
+                        "model_config=null clears a file's)"),
     "method": Key(str, "revffn", "fine-tuning method (see the README's Methods table)"),
     "data": Key(str, None, "training data: a JSON/JSONL/parquet/arrow/csv file, a save_to_disk directory, "
                 "hf:NAME[:CONFIG][@SPLIT] or builtin:NAME (README: Data formats)", required=True, path=True),

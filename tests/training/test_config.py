@@ -3,6 +3,7 @@ downstream edits it in place (a changed copy is `replace`), and every field has 
 
 import dataclasses
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,11 @@ def test_a_path_from_home_in_a_yaml_file_is_expanded(tmp_path, monkeypatch):
                  "resume: ~/runs/x/c\n")
     cfg = load_config(str(p))
     assert cfg.output_dir == str(tmp_path / "runs" / "x") and cfg.resume == str(tmp_path / "runs" / "x" / "c")
+
+
+def test_null_clears_a_mapping_the_config_file_sets():
+    """`model_config={}` merges into the file's mapping (a merge keeps its keys): null is how to clear it."""
+    cfg = str(Path(__file__).resolve().parents[2] / "configs" / "tiny_lora.yaml")
+    assert load_config(cfg, []).model_config == {"num_hidden_layers": 2, "hidden_size": 64}
+    assert load_config(cfg, ["model_config={}"]).model_config == {"num_hidden_layers": 2, "hidden_size": 64}
+    assert load_config(cfg, ["model_config=null"]).model_config == {}
