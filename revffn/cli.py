@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from revffn.data import DEFAULT_CALIBRATION
-from revffn.errors import DiskFull, UserError, disk_fault, one_line, unread
+from revffn.errors import DiskFull, UserError, closest, disk_fault, one_line, unread
 from revffn.models.cache import file_in_the_way
 from revffn.progress import library_bars_off, quiet_known_noise
 from revffn.reversible.buffered import CUBLAS_WORKSPACE
@@ -265,8 +265,10 @@ def cmd_archs(args) -> int:
     types = [t.strip() for t in args.types.split(",") if t.strip()] if args.types else None
     unknown = [t for t in types or [] if t not in known]
     if unknown:
-        raise UserError(f"--types: {', '.join(unknown)} not among the causal-LM model types of this transformers "
-                        f"(MoE or dense). Fix: choose from {', '.join(known)}.")
+        near = "".join(closest(t, known) for t in unknown)
+        raise UserError(f"--types: {', '.join(unknown)} not among the {len(known)} causal-LM model types of this "
+                        f"transformers (MoE or dense).{near} Fix: a model_type (config.json's), e.g. "
+                        f"{', '.join(sorted(known)[:4])}, ... (`revffn archs` without --types checks them all)")
 
     for flag, path in (("--out", args.out), ("--json-out", args.json_out)):
         if path:
@@ -652,7 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("convert", help="convert a model to RevFFN once (buffered; or additive: calibrated, optionally "
                        "healed) into a directory that `revffn train model=DIR method=revffn` starts from")
-    k.add_argument("model", help="builtin:base, a tiny preset or a local HF model directory")
+    k.add_argument("model", help="builtin:base, builtin:smollm2 or builtin:smollm2-moe, a tiny preset, a local HF "
+                   "model directory, a GGUF file or a Hub ID")
     k.add_argument("--out", required=True, help="the directory to write (model, tokenizer, revffn.json)")
     k.add_argument("--calibration-data", default=DEFAULT_CALIBRATION, help="general text, not task data: a data "
                    "source (README: Data formats) or self (sampled from the model) (default: %(default)s)")

@@ -202,7 +202,10 @@ def test_archs_cli_one_file_for_the_page_and_the_json_exit_2(capsys, tmp_path):
 
 def test_archs_cli_bad_type_exit_2(capsys):
     assert cli.main(["archs", "--types", "not_a_type"]) == 2
-    assert "not among the causal-LM model types of this transformers (MoE or dense)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "causal-LM model types of this transformers (MoE or dense). Fix: a model_type" in err and len(err) < 400
+    assert cli.main(["archs", "--types", "mixtrl"]) == 2
+    assert "Did you mean 'mixtral'?" in capsys.readouterr().err
 
 
 def test_every_choice_on_values_is_recorded():
