@@ -109,3 +109,17 @@ def test_the_checks_memory_floor_is_below_what_it_takes(tmp_path):
     rows = [__import__("json").loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == 2 and rows[1][0] > 4 * rows[0][0], rows  # the long one is the attention's
     assert all(0 < floor <= rise for floor, rise in rows), rows
+
+
+def test_a_figure_over_tolerance_that_fp64_streams_clear_says_so_on_its_line():
+    from revffn.reports.check import format_report
+
+    report = {"model": "m", "model_type": "qwen2_moe", "layers": 4, "dtype": "float32", "batch": 2, "seq": 32,
+              "adapter_init": "coordinate", "stream_dtype": "float32", "max_rel_grad_error": 2.1e-4,
+              "max_reconstruction_error": 5e-5, "passed": True,
+              "fp64_streams": {"max_reconstruction_error": 0.0, "max_rel_grad_error": 1.3e-6}}
+    lines = format_report(report).splitlines()
+    grad = next(line for line in lines if "max_rel_grad_error" in line and "fp64 streams" not in line)
+    assert grad.endswith("(tolerance 1e-05: over by the fp32 streams' rounding, judged in fp64 below)")
+    rebuilt = next(line for line in lines if "max_reconstruction_error" in line and "fp64 streams" not in line)
+    assert rebuilt.endswith("(tolerance 0.0001)") and lines[-1] == "  PASSED"  # within it: said as before
