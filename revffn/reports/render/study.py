@@ -95,7 +95,8 @@ def study_markdown(data: dict, plot_prefix: str = "") -> str:
         + (f", git {data['git_commit'][:10]}" if data.get("git_commit") else "") + f", started {data['started']}.",
         "",
         f"Base: `{base['model']}`, retention loss {data['base_retention_loss']:.4f} on `{base['retention_data']}` "
-        "(held-out text)" + (f", {100 * data['base_probe_accuracy']:.1f} % of `{base['probes']}` answered "
+        + (f"(held-out text, its first {plan['retention_limit']} documents)" if plan.get("retention_limit") else
+           "(held-out text)") + (f", {100 * data['base_probe_accuracy']:.1f} % of `{base['probes']}` answered "
                              "(containment)" if data.get("base_probe_accuracy") is not None else "")
         + ". Every method: "
         f"{plan['steps']} optimizer steps × batch {plan['batch']} (same batches), cosine LR with "
